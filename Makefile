@@ -1,0 +1,31 @@
+# One entry point for people, CI and the Docker images: they all call these targets.
+VENV   ?= $(CURDIR)/.venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.prunex-setup-ok
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+export PIP_NO_WARN_SCRIPT_LOCATION := 0
+
+.PHONY: setup test demo bench python clean
+
+# idempotent: a second run only checks (seconds); the Horovod wheel is cached in ~/.cache/prunex_hvd
+setup: $(STAMP)
+$(STAMP): scripts/setup.sh scripts/build_horovod.sh setup.cfg pyproject.toml
+	VENV=$(VENV) bash scripts/setup.sh
+	@touch $@
+
+test: setup
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+demo: setup
+	bash scripts/demo.sh $(PY)
+
+bench: setup
+	$(PY) benchmarks/bench_collectives.py
+
+python:
+	@echo $(abspath $(PY))
+
+clean:
+	rm -rf $(VENV) .pytest_cache

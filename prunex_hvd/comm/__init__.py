@@ -1,0 +1,98 @@
+"""Collectives on the intra-node group, the leaders' inter-node group and the world, with accounting.
+
+    import prunex_hvd as px
+    topo = px.init()
+    g = px.comm.groups()            # the init backend's groups (collective: every rank calls it)
+    g.intra.allreduce_(t, "sum")    # within my node
+    if topo.is_leader:
+        g.inter.allreduce_(t, "avg")  # across nodes, leaders only
+    px.comm.summary()               # bytes and seconds per tier
+
+Backends, one module each: ``mpi`` (mpi4py), ``gloo`` and ``nccl`` (torch.distributed), ``horovod``
+(process sets); ``auto`` picks nccl for CUDA tensors, mpi for CPU tensors under MPI, gloo otherwise.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from .accounting import CommLedger, CommRecord, ledger, reset, summary
+from .base import Communicator, Groups
+
+BACKENDS = ("auto", "mpi", "gloo", "nccl", "horovod")
+
+_groups: Dict[str, Groups] = {}
+
+
+def check_backend_name(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+
+
+def unavailable_reason(backend: str, launcher: str) -> Optional[str]:
+    """Why ``backend`` cannot run in this process, or ``None`` if it can (a local check, no communication)."""
+    check_backend_name(backend)
+    if backend == "auto":
+        from .auto import cpu_backend
+        return unavailable_reason(cpu_backend(launcher), launcher)
+    if backend == "mpi":
+        from ..launch import launched_by_mpi
+        if launcher != "single" and not launched_by_mpi():
+            return (f"the mpi backend needs a launch by mpirun/srun or horovodrun --mpi (this job was started "
+                    f"as '{launcher}'): use backend='gloo' or 'horovod'")
+        try:
+            import mpi4py  # noqa: F401
+        except ImportError as exc:
+            return f"mpi4py is not importable: {exc}"
+        return None
+    if backend == "gloo":
+        from .gloo import available
+        return available()
+    if backend == "nccl":
+        from .nccl import available
+        return available()
+    from .horovod import available
+    return available(launcher)
+
+
+def groups(backend: Optional[str] = None) -> Groups:
+    """The world / intra / inter groups of ``backend`` (default: the one given to ``init``).
+
+    Built once per backend and cached. Building is collective: call it on every rank, in the same order."""
+    from .. import runtime
+    topo, control = runtime.state()
+    backend = backend or runtime.default_backend()
+    if backend not in _groups:
+        _groups[backend] = _build(backend, topo, control)
+    return _groups[backend]
+
+
+def _build(backend: str, topo, control) -> Groups:
+    check_backend_name(backend)
+    control.agree(unavailable_reason(backend, topo.launcher))
+    if topo.size == 1 and backend != "nccl":
+        from .base import SingleCommunicator
+        one = lambda tier: SingleCommunicator(tier, [0], [0], 0)  # noqa: E731
+        return Groups(world=one("world"), intra=one("intra"), inter=one("inter"), backend=backend)
+    if backend == "auto":
+        import torch
+        from .auto import combine, cpu_backend
+        cuda = groups("nccl") if torch.cuda.is_available() and unavailable_reason("nccl", topo.launcher) is None else None
+        return combine(groups(cpu_backend(topo.launcher)), cuda)
+    if backend == "mpi":
+        from .mpi import make_groups
+        return make_groups(topo)
+    if backend == "gloo":
+        from .gloo import make_groups
+    elif backend == "nccl":
+        from .nccl import make_groups
+    else:
+        from .horovod import make_groups
+    return make_groups(topo, control)
+
+
+def _forget() -> None:
+    _groups.clear()
+
+
+__all__ = ["BACKENDS", "CommLedger", "CommRecord", "Communicator", "Groups", "groups", "ledger", "reset",
+           "summary", "unavailable_reason"]

@@ -1,0 +1,89 @@
+"""torch.distributed plumbing shared by the gloo and nccl backends.
+
+When the job was not started by torchrun, the default process group is bootstrapped from the launcher's
+world (Horovod or MPI): rank 0 picks an address and a free port and tells the others over the control plane.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from .base import Communicator, Groups
+
+ENV_TIMEOUT = "PRUNEX_TIMEOUT_S"
+
+
+def default_timeout() -> timedelta:
+    """How long a collective may wait for a peer before failing (env ``PRUNEX_TIMEOUT_S``, default 1800)."""
+    return timedelta(seconds=float(os.environ.get(ENV_TIMEOUT, "1800")))
+
+
+def ensure_world(topo, control) -> None:
+    if dist.is_initialized():
+        if dist.get_world_size() != topo.size or dist.get_rank() != topo.rank:
+            raise RuntimeError(f"torch.distributed is initialised as rank {dist.get_rank()}/"
+                               f"{dist.get_world_size()} but this job is rank {topo.rank}/{topo.size}")
+        return
+    from ..launch import free_port, reachable_address
+    addr = control.broadcast_object((reachable_address(), free_port()) if topo.rank == 0 else None)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr[0]}:{addr[1]}", rank=topo.rank,
+                            world_size=topo.size, timeout=default_timeout())
+
+
+class TorchDistCommunicator(Communicator):
+    pads_allgather = True
+    reduce_avg_natively = False
+
+    def __init__(self, pg, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pg = pg
+
+    def _allreduce(self, tensor, op):
+        if op == "avg" and self.reduce_avg_natively:
+            dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=self.pg)
+            return
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.pg)
+        if op == "avg":
+            tensor.div_(self.size)
+
+    def _bor(self, mask):
+        dist.all_reduce(mask, op=dist.ReduceOp.BOR if self.has_bor else dist.ReduceOp.MAX, group=self.pg)
+
+    def _broadcast(self, tensor, root):
+        dist.broadcast(tensor, src=self.ranks[root], group=self.pg)
+
+    def _allgather_equal(self, tensor) -> List[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(out, tensor, group=self.pg)
+        return out
+
+    def _allgather_unequal(self, tensor, dims) -> List[torch.Tensor]:
+        longest = max(d[0] for d in dims)
+        padded = tensor.new_zeros((longest,) + tuple(tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        return [t[: d[0]] for t, d in zip(self._allgather_equal(padded), dims)]
+
+    def _barrier(self):
+        self._allreduce(torch.zeros(1, device=self.device), "sum")
+
+    device = "cpu"
+
+
+def make_groups(topo, cls, backend: str, ledger=None) -> Groups:
+    """Create the node groups, the leaders' group and a world group. ``new_group`` is collective over the
+    whole world, so every rank creates every group, in the same order."""
+    nodes_of = [topo.node_of(r) for r in range(topo.size)]
+    intra = None
+    for node, ranks in enumerate(topo.node_ranks):
+        pg = dist.new_group(list(ranks), backend=backend)
+        if node == topo.node:
+            intra = cls(pg, "intra", ranks, [node] * len(ranks), topo.local_rank, ledger)
+    pg = dist.new_group(list(topo.leaders), backend=backend)
+    inter = cls(pg, "inter", topo.leaders, range(topo.num_nodes), topo.node, ledger) if topo.is_leader else None
+    pg = dist.new_group(list(range(topo.size)), backend=backend)
+    world = cls(pg, "world", range(topo.size), nodes_of, topo.rank, ledger)
+    return Groups(world=world, intra=intra, inter=inter, backend=backend)

@@ -1,0 +1,231 @@
+"""The one small interface every backend implements, with validation and accounting done once here.
+
+A :class:`Communicator` is one group (intra-node, the leaders' inter-node group, or the world). Public
+methods check their input, time the backend's ``_op`` and write a record to the ledger; backends only move
+bytes. All members of a group must call the same collectives in the same order.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from .accounting import CommLedger, CommRecord, ledger as default_ledger, ring_cross_node_bytes, ring_sent_bytes
+
+REDUCE_OPS = ("sum", "avg")
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Communicator:
+    """Collectives on one group.
+
+    ``ranks`` are the world ranks of the members in group order, ``nodes`` their node indices, ``rank`` my
+    index in the group. ``tier`` is ``intra``, ``inter`` or ``world``."""
+
+    backend = "base"
+    has_bor = True  # False: bitwise-or is done as MAX, exact only for 0/1 masks (checked)
+    pads_allgather = False  # True: unequal allgathers travel padded to the largest member (accounted so)
+    # dtypes the backend reduces natively; others travel widened (and are accounted at the wider size)
+    reducible = frozenset({torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+                           torch.int32, torch.int64})
+
+    def __init__(self, tier: str, ranks: Sequence[int], nodes: Sequence[int], rank: int,
+                 ledger: Optional[CommLedger] = None):
+        self.tier = tier
+        self.ranks = tuple(ranks)
+        self.nodes = tuple(nodes)
+        self.rank = rank
+        self.size = len(self.ranks)
+        self.ledger = ledger or default_ledger()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.tier} ranks={list(self.ranks)} me={self.rank}>"
+
+    # -- public, accounted -------------------------------------------------------------------------
+    def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place allreduce; ``op`` is ``"sum"`` or ``"avg"``. Returns ``tensor``."""
+        if op not in REDUCE_OPS:
+            raise ValueError(f"allreduce op must be one of {REDUCE_OPS}, got {op!r}")
+        self._check(tensor, "allreduce_")
+        if not tensor.is_floating_point() and op == "avg":
+            raise ValueError(f"allreduce op 'avg' needs a floating tensor, got {tensor.dtype}")
+        self._reduce("allreduce", self._allreduce, tensor, op)
+        return tensor
+
+    def bor_(self, mask: torch.Tensor) -> torch.Tensor:
+        """In-place bitwise OR of a uint8 mask across the group. Returns ``mask``.
+
+        Backends without a native BOR (NCCL, Horovod) use MAX, which equals OR for 0/1 masks; other values
+        are refused there rather than silently wrong."""
+        self._check(mask, "bor_")
+        if mask.dtype != torch.uint8:
+            raise ValueError(f"bor_ needs a uint8 mask (send torch.bool masks as uint8), got {mask.dtype}")
+        if not self.has_bor and mask.numel() and int(mask.max()) > 1:
+            raise ValueError(f"the {self.backend} backend has no bitwise-or; bor_ there takes 0/1 masks only")
+        self._reduce("bor", self._bor, mask)
+        return mask
+
+    def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """In-place broadcast from group rank ``root``. Returns ``tensor``."""
+        self._check(tensor, "broadcast_")
+        if not 0 <= root < self.size:
+            raise ValueError(f"broadcast root {root} is not a rank of this group of {self.size}")
+        with self._accounted("broadcast", [nbytes(tensor)] * self.size, root=root):
+            self._broadcast(tensor, root)
+        return tensor
+
+    def allgather(self, tensor: torch.Tensor, same_shape: bool = False) -> List[torch.Tensor]:
+        """Every member's tensor, in group order.
+
+        The first dimension may differ across members (the other dimensions and the dtype may not); the
+        shapes are then exchanged first (accounted as ``allgather_sizes``). Pass ``same_shape=True`` when
+        every member is known to send the same shape, to skip that exchange (one collective, not two)."""
+        self._check(tensor, "allgather")
+        if same_shape:
+            with self._accounted("allgather", [nbytes(tensor)] * self.size):
+                return self._allgather_equal(tensor.contiguous())
+        shape = torch.tensor([tensor.dim()] + list(tensor.shape), dtype=torch.int64)
+        shape = torch.nn.functional.pad(shape, (0, 9 - shape.numel())) if shape.numel() < 9 else shape
+        if shape.numel() > 9:
+            raise ValueError("allgather supports tensors of at most 8 dimensions")
+        with self._accounted("allgather_sizes", [nbytes(shape)] * self.size):
+            shapes = self._allgather_equal(shape)
+        dims = [tuple(int(x) for x in s[1:1 + int(s[0])]) for s in shapes]
+        ref = dims[self.rank]
+        for r, d in enumerate(dims):
+            if len(d) != len(ref) or d[1:] != ref[1:]:
+                raise ValueError(f"allgather: member {r} sends shape {d}, member {self.rank} {ref}; "
+                                 "only the first dimension may differ")
+        sizes = [int(torch.Size(d).numel()) * tensor.element_size() for d in dims]
+        if self.pads_allgather:
+            sizes = [max(sizes)] * self.size
+        with self._accounted("allgather", sizes):
+            if len(set(dims)) == 1:
+                return self._allgather_equal(tensor.contiguous())
+            return self._allgather_unequal(tensor.contiguous(), dims)
+
+    def barrier(self) -> None:
+        with self._accounted("barrier", [0] * self.size):
+            self._barrier()
+
+    # -- backend hooks -----------------------------------------------------------------------------
+    def _allreduce(self, tensor, op):
+        raise NotImplementedError
+
+    def _bor(self, mask):
+        raise NotImplementedError
+
+    def _broadcast(self, tensor, root):
+        raise NotImplementedError
+
+    def _allgather_equal(self, tensor) -> List[torch.Tensor]:
+        raise NotImplementedError
+
+    def _allgather_unequal(self, tensor, dims) -> List[torch.Tensor]:
+        raise NotImplementedError
+
+    def _barrier(self):
+        raise NotImplementedError
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a reduction of ``dtype`` travels in on this backend."""
+        if dtype in self.reducible:
+            return dtype
+        if dtype.is_floating_point:
+            return torch.float32
+        return torch.int32 if torch.int32 in self.reducible else torch.int64
+
+    def _reduce(self, op, impl, tensor, *args):
+        wire = self.wire_dtype(tensor.dtype)
+        with self._accounted(op, [tensor.numel() * wire.itemsize] * self.size):
+            if wire == tensor.dtype:
+                impl(tensor, *args)
+            else:
+                wide = tensor.to(wire)
+                impl(wide, *args)
+                tensor.copy_(wide)
+
+    def _check(self, tensor, what):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}")
+        if what.endswith("_") and not tensor.is_contiguous():
+            raise ValueError(f"{what} works in place and needs a contiguous tensor")
+
+    def _accounted(self, op, sizes, root=0):
+        return _Accounted(self, op, sizes, root)
+
+
+class _Accounted:
+    __slots__ = ("comm", "op", "sizes", "root", "t0")
+
+    def __init__(self, comm, op, sizes, root):
+        self.comm, self.op, self.sizes, self.root = comm, op, sizes, root
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            return False
+        c = self.comm
+        model_op = "allgather" if self.op == "allgather_sizes" else self.op
+        c.ledger.add(CommRecord(
+            op=self.op, tier=c.tier, backend=c.backend, payload_bytes=self.sizes[c.rank],
+            wire_bytes=ring_sent_bytes(model_op, self.sizes, c.rank, self.root),
+            cross_node_bytes=ring_cross_node_bytes(model_op, self.sizes, c.rank, c.nodes, self.root),
+            seconds=time.perf_counter() - self.t0))
+        return False
+
+
+class SingleCommunicator(Communicator):
+    """A group of one: every collective is the identity (no bytes move)."""
+    backend = "single"
+
+    def _allreduce(self, tensor, op):
+        pass
+
+    def _bor(self, mask):
+        pass
+
+    def _broadcast(self, tensor, root):
+        pass
+
+    def _allgather_equal(self, tensor):
+        return [tensor.clone()]
+
+    def _allgather_unequal(self, tensor, dims):
+        return [tensor.clone()]
+
+    def _barrier(self):
+        pass
+
+
+@dataclass
+class Groups:
+    """The three groups of one backend, ChainerMN style. ``inter`` is ``None`` on non-leaders."""
+    world: Communicator
+    intra: Communicator
+    inter: Optional[Communicator]
+    backend: str
+
+
+def staged_on_cpu(fn):
+    """Run a CPU-only transport on a tensor that may live on a GPU: copy there and back."""
+    def wrapper(self, tensor, *args):
+        if tensor.device.type == "cpu":
+            return fn(self, tensor, *args)
+        host = tensor.detach().cpu()
+        out = fn(self, host, *args)
+        if out is None:
+            tensor.copy_(host)
+            return None
+        return [o.to(tensor.device) for o in out]
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper

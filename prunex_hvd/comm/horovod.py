@@ -1,0 +1,120 @@
+"""Horovod backend: collectives on Horovod process sets (one per node, one for the leaders).
+
+Process sets are added after start-up, so Horovod must run with dynamic process sets: ``prunex_hvd.init()``
+starts it that way. If your script calls ``hvd.init()`` itself, call it as
+``hvd.init(process_sets="dynamic")`` (or call ``prunex_hvd.init()`` first). Horovod has no bitwise-or, so mask
+OR is MAX (exact for 0/1 masks). GPU tensors go to Horovod as they are when it was built with GPU
+operations, else through host memory.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from .base import Communicator, Groups, staged_on_cpu
+
+def _hvd():
+    import horovod.torch as hvd
+    return hvd
+
+
+class HorovodCommunicator(Communicator):
+    backend = "horovod"
+    has_bor = False
+    # Horovod's torch allreduce takes only these; uint8 masks travel as int32 (4 bytes each, accounted so)
+    reducible = frozenset({torch.float16, torch.float32, torch.float64, torch.int32, torch.int64})
+
+    def __init__(self, process_set, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hvd = _hvd()
+        self.process_set = process_set
+        self.gpu_ops = self.hvd.nccl_built() or self.hvd.cuda_built()
+        self._calls = 0
+
+    def _name(self, op):
+        # deterministic per group: its members issue the same sequence of collectives (a process-wide
+        # counter would drift between leaders and the rest)
+        self._calls += 1
+        return f"prunex.{self.tier}.{self.ranks[0]}x{self.size}.{op}.{self._calls}"
+
+    def _maybe_stage(self, fn, tensor, *args):
+        if tensor.device.type != "cpu" and not self.gpu_ops:
+            return staged_on_cpu(fn)(self, tensor, *args)
+        return fn(self, tensor, *args)
+
+    def _allreduce(self, tensor, op):
+        self._maybe_stage(HorovodCommunicator._allreduce_impl, tensor, op)
+
+    def _allreduce_impl(self, tensor, op):
+        self.hvd.allreduce_(tensor, op=self.hvd.Average if op == "avg" else self.hvd.Sum,
+                            name=self._name("allreduce"), process_set=self.process_set)
+
+    def _bor(self, mask):
+        self._maybe_stage(HorovodCommunicator._bor_impl, mask)
+
+    def _bor_impl(self, mask):
+        self.hvd.allreduce_(mask, op=self.hvd.Max, name=self._name("bor"), process_set=self.process_set)
+
+    def _broadcast(self, tensor, root):
+        self._maybe_stage(HorovodCommunicator._broadcast_impl, tensor, root)
+
+    def _broadcast_impl(self, tensor, root):
+        self.hvd.broadcast_(tensor, root_rank=self.ranks[root], name=self._name("broadcast"),
+                            process_set=self.process_set)
+
+    def _allgather_equal(self, tensor) -> List[torch.Tensor]:
+        return self._allgather_unequal(tensor, [tuple(tensor.shape)] * self.size)
+
+    def _allgather_unequal(self, tensor, dims) -> List[torch.Tensor]:
+        # Horovod's allgather takes unequal first dimensions itself
+        flat = tensor.reshape(1) if tensor.dim() == 0 else tensor
+        src = flat if flat.device.type == "cpu" or self.gpu_ops else flat.cpu()
+        out = self.hvd.allgather(src, name=self._name("allgather"), process_set=self.process_set)
+        out = out.to(tensor.device)
+        return [o.reshape(d) for o, d in zip(torch.split(out, [d[0] if d else 1 for d in dims]), dims)]
+
+    def _barrier(self):
+        self.hvd.barrier(process_set=self.process_set)
+
+
+def available(launcher: str) -> str | None:
+    try:
+        hvd = _hvd()
+    except ImportError as exc:
+        return f"Horovod is not importable ({exc}); `make setup` builds it"
+    if launcher != "horovod" or not hvd.is_initialized():
+        return ("the horovod backend needs a launch by horovodrun or mpirun with Horovod installed "
+                f"(this job was started as '{launcher}')")
+    import os
+    if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") in ("0", "") :
+        return ("Horovod was initialised without dynamic process sets: call prunex_hvd.init() before "
+                "hvd.init(), or hvd.init(process_sets='dynamic')")
+    return None
+
+
+_created = {}
+
+
+def _process_set(ranks):
+    hvd = _hvd()
+    ranks = tuple(ranks)
+    if ranks == tuple(range(hvd.size())):
+        return hvd.global_process_set
+    if ranks not in _created:
+        _created[ranks] = hvd.add_process_set(list(ranks))
+    return _created[ranks]
+
+
+def make_groups(topo, control, ledger=None) -> Groups:
+    nodes_of = [topo.node_of(r) for r in range(topo.size)]
+    intra = None
+    for node, ranks in enumerate(topo.node_ranks):  # every rank adds every set, in the same order
+        ps = _process_set(ranks)
+        if node == topo.node:
+            intra = HorovodCommunicator(ps, "intra", ranks, [node] * len(ranks), topo.local_rank, ledger)
+    ps = _process_set(topo.leaders)
+    inter = (HorovodCommunicator(ps, "inter", topo.leaders, range(topo.num_nodes), topo.node, ledger)
+             if topo.is_leader else None)
+    world = HorovodCommunicator(_hvd().global_process_set, "world", range(topo.size), nodes_of, topo.rank, ledger)
+    return Groups(world=world, intra=intra, inter=inter, backend="horovod")

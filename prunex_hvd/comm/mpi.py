@@ -1,0 +1,86 @@
+"""mpi4py backend: zero-copy on CPU tensors (the tensor's own memory is the MPI buffer).
+
+Groups come from ``Split``: the node group by node index, the leaders' group by ``Split(color, UNDEFINED)``
+so non-leaders get ``COMM_NULL`` and hold no leader communicator. GPU tensors are staged through host memory
+(no CUDA-aware MPI is assumed); use the ``nccl`` backend for them.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+import torch
+
+from .base import Communicator, Groups, staged_on_cpu
+
+def _buf(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()  # shares memory with the tensor: no copy
+
+
+class MPICommunicator(Communicator):
+    backend = "mpi"
+    has_bor = True
+    reducible = frozenset({torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8, torch.int8,
+                           torch.int16})  # what MPI sums through numpy (no float16 / bfloat16)
+
+    def __init__(self, comm, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from mpi4py import MPI
+        self.MPI = MPI
+        self.comm = comm
+
+    @staged_on_cpu
+    def _allreduce(self, tensor, op):
+        self.comm.Allreduce(self.MPI.IN_PLACE, _buf(tensor), op=self.MPI.SUM)
+        if op == "avg":
+            tensor.div_(self.size)
+
+    @staged_on_cpu
+    def _bor(self, mask):
+        self.comm.Allreduce(self.MPI.IN_PLACE, _buf(mask), op=self.MPI.BOR)
+
+    @staged_on_cpu
+    def _broadcast(self, tensor, root):
+        if tensor.dtype in (torch.float16, torch.bfloat16, torch.bool):
+            self.comm.Bcast(_buf(tensor.view(torch.uint8)), root=root)
+        else:
+            self.comm.Bcast(_buf(tensor), root=root)
+
+    @staged_on_cpu
+    def _allgather_equal(self, tensor) -> List[torch.Tensor]:
+        out = torch.empty((self.size,) + tuple(tensor.shape), dtype=tensor.dtype)
+        self.comm.Allgather(_bytes(tensor), _bytes(out))
+        return list(out.unbind(0))
+
+    @staged_on_cpu
+    def _allgather_unequal(self, tensor, dims) -> List[torch.Tensor]:
+        counts = [int(torch.Size(d).numel()) * tensor.element_size() for d in dims]
+        displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64).tolist()
+        flat = torch.empty(sum(counts), dtype=torch.uint8)
+        self.comm.Allgatherv(_bytes(tensor), [_buf(flat), counts, displs, self.MPI.BYTE])
+        return [flat[o:o + c].view(tensor.dtype).view(d).clone() for o, c, d in zip(displs, counts, dims)]
+
+    def _barrier(self):
+        self.comm.Barrier()
+
+
+def _bytes(t: torch.Tensor):
+    return _buf(t.reshape(-1).view(torch.uint8))
+
+
+def make_groups(topo, ledger=None) -> Groups:
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if world.Get_size() != topo.size:
+        raise RuntimeError(f"MPI world has {world.Get_size()} ranks but the job has {topo.size}: "
+                           "the mpi backend needs a launch by mpirun/srun (use gloo or horovod otherwise)")
+    nodes_of = [topo.node_of(r) for r in range(topo.size)]
+    world_c = MPICommunicator(world.Dup(), "world", range(topo.size), nodes_of, topo.rank, ledger)
+    intra = world.Split(color=topo.node, key=topo.local_rank)
+    intra_c = MPICommunicator(intra, "intra", topo.local_ranks, [topo.node] * topo.local_size,
+                              topo.local_rank, ledger)
+    inter = world.Split(color=0 if topo.is_leader else MPI.UNDEFINED, key=topo.node)
+    inter_c = None
+    if topo.is_leader:
+        inter_c = MPICommunicator(inter, "inter", topo.leaders, range(topo.num_nodes), topo.node, ledger)
+    return Groups(world=world_c, intra=intra_c, inter=inter_c, backend="mpi")

@@ -1,0 +1,186 @@
+"""How the processes were started, and a small channel for Python objects across them.
+
+The *control plane* (one per launcher) carries only tiny objects at set-up: node keys, error messages, the
+torch.distributed rendezvous address. Tensors never go through it; they go through :mod:`prunex_hvd.comm`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+from typing import Any, Hashable, List, Optional
+
+MPI_ENV_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MV2_COMM_WORLD_SIZE",
+                "MPI_LOCALNRANKS")
+
+
+def launched_by_horovodrun_gloo() -> bool:
+    return "HOROVOD_RANK" in os.environ and "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
+
+
+def launched_by_mpi() -> bool:
+    return any(v in os.environ for v in MPI_ENV_VARS)
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(
+        v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def horovod_installed() -> bool:
+    return importlib.util.find_spec("horovod") is not None
+
+
+def detect() -> str:
+    """Discovery order of the design: Horovod (launched by horovodrun or MPI), MPI, torchrun, single."""
+    if horovod_installed() and (launched_by_horovodrun_gloo() or launched_by_mpi()):
+        return "horovod"
+    if launched_by_mpi():
+        return "mpi"
+    if launched_by_torchrun():
+        return "torchrun"
+    return "single"
+
+
+class Control:
+    """World-wide exchange of small picklable objects (all ranks must call, in the same order)."""
+    name = "single"
+    rank = 0
+    size = 1
+
+    def allgather_object(self, obj: Any) -> List[Any]:
+        return [obj]
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        return obj
+
+    def node_key(self) -> Hashable:
+        """Something equal on the ranks of one node and different across nodes."""
+        return 0
+
+    def agree(self, error: Optional[str]) -> None:
+        """Collective check: if any rank reports an error, every rank raises one naming all of them."""
+        errors = self.allgather_object(error)
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            from .topology import TopologyError
+            first = bad[0][1]
+            if all(e == first for _, e in bad):
+                ranks = "all ranks" if len(bad) == self.size else "rank(s) " + ",".join(str(r) for r, _ in bad)
+                raise TopologyError(f"{first} [on {ranks}]")
+            raise TopologyError("; ".join(f"rank {r}: {e}" for r, e in bad))
+
+
+class MPIControl(Control):
+    name = "mpi"
+
+    def __init__(self):
+        from mpi4py import MPI
+        self.MPI = MPI
+        self.comm = MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+
+    def allgather_object(self, obj):
+        return self.comm.allgather(obj)
+
+    def broadcast_object(self, obj, root=0):
+        return self.comm.bcast(obj, root=root)
+
+    def node_key(self):
+        # ranks sharing memory form a node; its lowest world rank names it
+        shared = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
+        key = shared.allreduce(self.rank, op=self.MPI.MIN)
+        shared.Free()
+        return key
+
+
+class HorovodControl(Control):
+    name = "horovod"
+
+    def __init__(self):
+        if launched_by_mpi():
+            import mpi4py.MPI  # noqa: F401  (MPI initialised by mpi4py first: THREAD_MULTIPLE, shared with Horovod)
+        import horovod.torch as hvd
+        self.hvd = hvd
+        if not hvd.is_initialized():
+            # dynamic process sets let the horovod backend build the node and leader groups after discovery
+            hvd.init(process_sets="dynamic")
+        self.rank = hvd.rank()
+        self.size = hvd.size()
+        self._calls = 0
+
+    # Horovod names an object collective by the object's type unless told: ranks sending None and str
+    # would wait on each other forever, so every call gets the same explicit name on all ranks.
+    def allgather_object(self, obj):
+        self._calls += 1
+        return self.hvd.allgather_object(obj, name=f"prunex.control.allgather.{self._calls}")
+
+    def broadcast_object(self, obj, root=0):
+        self._calls += 1
+        return self.hvd.broadcast_object(obj, root_rank=root, name=f"prunex.control.broadcast.{self._calls}")
+
+    def node_key(self):
+        # Horovod numbers hosts by cross_rank (the rank among processes of the same local rank)
+        return self.hvd.cross_rank()
+
+
+class TorchrunControl(Control):
+    name = "torchrun"
+
+    def __init__(self):
+        import torch.distributed as dist
+        self.dist = dist
+        if not dist.is_initialized():
+            from .comm._torch_dist import default_timeout
+            dist.init_process_group("gloo", init_method="env://", timeout=default_timeout())
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+
+    def allgather_object(self, obj):
+        out = [None] * self.size
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj, root=0):
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=root)
+        return box[0]
+
+    def node_key(self):
+        if "GROUP_RANK" in os.environ:  # torchrun's node rank
+            return int(os.environ["GROUP_RANK"])
+        return self.rank - int(os.environ.get("LOCAL_RANK", 0))
+
+
+def make_control(launcher: str) -> Control:
+    return {"horovod": HorovodControl, "mpi": MPIControl, "torchrun": TorchrunControl,
+            "single": Control}[launcher]()
+
+
+def reachable_address() -> str:
+    """An address of this host that the other ranks can reach (used by rank 0 for torch.distributed).
+
+    ``PRUNEX_MASTER_ADDR`` or ``MASTER_ADDR`` win; under horovodrun the interface that routes to the
+    launcher's rendezvous server; else the host name's address."""
+    for var in ("PRUNEX_MASTER_ADDR", "MASTER_ADDR"):
+        if os.environ.get(var):
+            return os.environ[var]
+    target = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    if target:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((target, int(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", 1))))
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.getfqdn())
+    except OSError:
+        return "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

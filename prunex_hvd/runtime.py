@@ -1,0 +1,73 @@
+"""``prunex_hvd.init()``: discover the topology once per process and keep it."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from . import comm
+from .launch import Control, detect, make_control
+from .topology import Topology, TopologyError, group_nodes, requested_ranks_per_node
+
+_topology: Optional[Topology] = None
+_control: Optional[Control] = None
+_backend: Optional[str] = None
+_args: Optional[tuple] = None
+
+
+def init(backend: str = "auto", ranks_per_node: Optional[int] = None) -> Topology:
+    """Discover rank, node and leadership, check every rank agrees, and build ``backend``'s groups.
+
+    Discovery order: Horovod (when installed and launched by horovodrun or MPI), MPI (mpi4py), torchrun's
+    environment, else a single process. ``ranks_per_node`` (or env ``PRUNEX_RANKS_PER_NODE``) overrides the
+    node grouping: node = rank // ranks_per_node, so emulated nodes can share one host under mpirun.
+
+    Collective: every rank must call it. Any problem (an unknown backend, an unavailable one, nodes of
+    different sizes, ranks that disagree about the override) raises the same error on every rank."""
+    global _topology, _control, _backend, _args
+    comm.check_backend_name(backend)  # same answer on every rank: safe to raise before talking
+    if _topology is not None:
+        if _args == (backend, ranks_per_node):
+            return _topology
+        raise RuntimeError(f"prunex_hvd is already initialised with backend={_args[0]!r}, "
+                           f"ranks_per_node={_args[1]!r}; call prunex_hvd.shutdown() first")
+    launcher = detect()
+    control = make_control(launcher)
+    try:
+        rpn, error = requested_ranks_per_node(ranks_per_node), None
+    except TopologyError as exc:  # reported collectively, so the ranks that parsed fine do not hang
+        rpn, error = None, str(exc)
+    control.agree(error)
+    reports = control.allgather_object((control.node_key(), rpn))
+    topo = group_nodes(control.rank, reports, launcher=launcher, grouping=launcher)
+    _topology, _control, _backend, _args = topo, control, backend, (backend, ranks_per_node)
+    try:
+        comm.groups(backend)
+    except Exception:
+        shutdown()
+        raise
+    return topo
+
+
+def state() -> Tuple[Topology, Control]:
+    if _topology is None:
+        raise RuntimeError("prunex_hvd is not initialised: call prunex_hvd.init() first")
+    return _topology, _control
+
+
+def topology() -> Topology:
+    return state()[0]
+
+
+def default_backend() -> str:
+    state()
+    return _backend
+
+
+def is_initialized() -> bool:
+    return _topology is not None
+
+
+def shutdown() -> None:
+    """Forget the topology and groups (the launcher's own runtime stays up)."""
+    global _topology, _control, _backend, _args
+    comm._forget()
+    _topology = _control = _backend = _args = None

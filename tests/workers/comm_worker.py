@@ -1,0 +1,133 @@
+"""Runs every collective of the given backends on this rank and checks the results against values computed
+here; writes the ledger per backend to OUT/rank{R}.json for the parent test to check byte counts exactly.
+
+    mpirun -np 4 python comm_worker.py --backends mpi,gloo --out DIR
+On an error, prints "[rank R] prunex_hvd error: ..." and exits 3 (the bad-launch tests read that)."""
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+
+def env_rank():
+    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def close(a, b, what):
+    torch.testing.assert_close(a, b, msg=lambda m: f"{what}: {m}")
+
+
+def exercise(px, backend, topo, device):
+    g = px.comm.groups(backend)
+    px.comm.reset()
+    r, node, lr = topo.rank, topo.node, topo.local_rank
+    local = topo.local_ranks
+    f32 = dict(dtype=torch.float32, device=device)
+
+    # intra: sum and avg
+    t = torch.arange(1000, **f32) + r
+    g.intra.allreduce_(t, "sum")
+    close(t, sum(torch.arange(1000, **f32) + q for q in local), "intra allreduce sum")
+    t = torch.full((10,), float(r), dtype=torch.float64, device=device)
+    g.intra.allreduce_(t, "avg")
+    close(t, torch.full_like(t, sum(local) / len(local)), "intra allreduce avg")
+
+    # inter: leaders only
+    if topo.is_leader:
+        t = torch.arange(1000, **f32) * (node + 1)
+        g.inter.allreduce_(t, "avg")
+        mean = sum(n + 1 for n in range(topo.num_nodes)) / topo.num_nodes
+        close(t, torch.arange(1000, **f32) * mean, "inter allreduce avg")
+    else:
+        assert g.inter is None, "a non-leader must hold no inter-node group"
+
+    # world
+    t = torch.full((7,), r, dtype=torch.int64, device=device)
+    g.world.allreduce_(t, "sum")
+    close(t, torch.full_like(t, sum(range(topo.size))), "world allreduce sum")
+
+    # bitwise-or of masks: 0/1 masks everywhere, bit patterns where the backend has BOR
+    def mask_of(q, n=33):
+        m = torch.zeros(n, dtype=torch.uint8)
+        m[q::4] = 1
+        return m
+    for tier, members in (("intra", local), ("inter", topo.leaders), ("world", range(topo.size))):
+        comm = getattr(g, tier)
+        if comm is None:
+            continue
+        m = mask_of(r).to(device)
+        comm.bor_(m)
+        close(m.cpu(), torch.stack([mask_of(q) for q in members]).amax(0), f"{tier} bor")
+    bits = torch.tensor([1 << r, 0, 255 if r == 0 else 0], dtype=torch.uint8, device=device)
+    if g.world.has_bor if backend != "auto" else g.world._pick(bits).has_bor:
+        g.world.bor_(bits)
+        close(bits.cpu(), torch.tensor([(1 << topo.size) - 1, 0, 255], dtype=torch.uint8), "world bor bits")
+    else:
+        try:
+            g.world.bor_(bits)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("a MAX-based bor_ must refuse non-0/1 masks")
+
+    # broadcast: intra from local rank 1, world from rank 2 (when they exist)
+    t = torch.full((100,), float(r), **f32)
+    g.intra.broadcast_(t, root=1 % topo.local_size)
+    close(t, torch.full_like(t, float(local[1 % topo.local_size])), "intra broadcast")
+    t = torch.full((100,), float(r), **f32)
+    g.world.broadcast_(t, root=2 % topo.size)
+    close(t, torch.full_like(t, float(2 % topo.size)), "world broadcast")
+
+    # allgather: equal (declared and discovered), unequal, and on the leaders
+    out = g.world.allgather(torch.full((3, 5), float(r), **f32), same_shape=True)
+    close(torch.stack(out), torch.stack([torch.full((3, 5), float(q), **f32) for q in range(topo.size)]),
+          "world allgather same_shape")
+    out = g.world.allgather(torch.full((3, 5), float(r), **f32))
+    close(torch.stack(out), torch.stack([torch.full((3, 5), float(q), **f32) for q in range(topo.size)]),
+          "world allgather")
+    out = g.world.allgather(torch.full((r + 1, 2), float(r), **f32))
+    assert [tuple(o.shape) for o in out] == [(q + 1, 2) for q in range(topo.size)], "unequal allgather shapes"
+    for q, o in enumerate(out):
+        close(o, torch.full((q + 1, 2), float(q), **f32), "world allgather unequal")
+    if topo.is_leader:
+        out = g.inter.allgather(torch.arange(node + 2, dtype=torch.int32, device=device))
+        for n, o in enumerate(out):
+            close(o, torch.arange(n + 2, dtype=torch.int32, device=device), "inter allgather unequal")
+    g.world.barrier()
+    return px.comm.summary(by_op=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--init-backend", default="auto")
+    ap.add_argument("--backends", default="")
+    ap.add_argument("--ranks-per-node", type=int, default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    try:
+        import prunex_hvd as px
+        topo = px.init(backend=a.init_backend, ranks_per_node=a.ranks_per_node)
+        if a.device == "cuda":
+            torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
+        result = {"topology": topo.as_dict(), "backends": {}}
+        for backend in filter(None, a.backends.split(",")):
+            result["backends"][backend] = exercise(px, backend, topo, a.device)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent test, with the rank
+        print(f"[rank {env_rank()}] prunex_hvd error: {type(exc).__name__}: {exc}", flush=True)
+        traceback.print_exc()
+        sys.exit(3)
+    if a.out:
+        with open(os.path.join(a.out, f"rank{topo.rank}.json"), "w") as f:
+            json.dump(result, f)
+    print(f"[rank {topo.rank}] ok {topo}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
