@@ -45,6 +45,7 @@ def detect() -> str:
 class Control:
     """World-wide exchange of small picklable objects (all ranks must call, in the same order)."""
     name = "single"
+    grouping = "single"  # how node_key() finds nodes, reported in Topology.grouping
     rank = 0
     size = 1
 
@@ -58,21 +59,24 @@ class Control:
         """Something equal on the ranks of one node and different across nodes."""
         return 0
 
-    def agree(self, error: Optional[str]) -> None:
-        """Collective check: if any rank reports an error, every rank raises one naming all of them."""
+    def agree(self, error: Optional[str], exc_type: type = RuntimeError) -> None:
+        """Collective check: if any rank reports an error, every rank raises ``exc_type`` naming them all.
+
+        Use it for every check whose answer may differ across ranks, so no rank goes on into a collective
+        that the failing ranks will never join."""
         errors = self.allgather_object(error)
         bad = [(r, e) for r, e in enumerate(errors) if e]
         if bad:
-            from .topology import TopologyError
             first = bad[0][1]
             if all(e == first for _, e in bad):
                 ranks = "all ranks" if len(bad) == self.size else "rank(s) " + ",".join(str(r) for r, _ in bad)
-                raise TopologyError(f"{first} [on {ranks}]")
-            raise TopologyError("; ".join(f"rank {r}: {e}" for r, e in bad))
+                raise exc_type(f"{first} [on {ranks}]")
+            raise exc_type("; ".join(f"rank {r}: {e}" for r, e in bad))
 
 
 class MPIControl(Control):
     name = "mpi"
+    grouping = "mpi-shared-memory"
 
     def __init__(self):
         from mpi4py import MPI
@@ -97,6 +101,7 @@ class MPIControl(Control):
 
 class HorovodControl(Control):
     name = "horovod"
+    grouping = "horovod-cross-rank"
 
     def __init__(self):
         if launched_by_mpi():
@@ -127,6 +132,7 @@ class HorovodControl(Control):
 
 class TorchrunControl(Control):
     name = "torchrun"
+    grouping = "torchrun-group-rank"
 
     def __init__(self):
         import torch.distributed as dist
@@ -151,6 +157,13 @@ class TorchrunControl(Control):
         if "GROUP_RANK" in os.environ:  # torchrun's node rank
             return int(os.environ["GROUP_RANK"])
         return self.rank - int(os.environ.get("LOCAL_RANK", 0))
+
+
+def describe(launcher: str) -> str:
+    """The launch as a user would name it, for error messages."""
+    if launcher == "horovod":
+        return "horovodrun --mpi / mpirun (Horovod)" if launched_by_mpi() else "horovodrun --gloo"
+    return {"mpi": "mpirun", "torchrun": "torchrun", "single": "a single process"}[launcher]
 
 
 def make_control(launcher: str) -> Control:

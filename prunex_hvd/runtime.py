@@ -35,9 +35,9 @@ def init(backend: str = "auto", ranks_per_node: Optional[int] = None) -> Topolog
         rpn, error = requested_ranks_per_node(ranks_per_node), None
     except TopologyError as exc:  # reported collectively, so the ranks that parsed fine do not hang
         rpn, error = None, str(exc)
-    control.agree(error)
+    control.agree(error, TopologyError)
     reports = control.allgather_object((control.node_key(), rpn))
-    topo = group_nodes(control.rank, reports, launcher=launcher, grouping=launcher)
+    topo = group_nodes(control.rank, reports, launcher=launcher, grouping=control.grouping)
     _topology, _control, _backend, _args = topo, control, backend, (backend, ranks_per_node)
     try:
         comm.groups(backend)

@@ -27,7 +27,7 @@ class Topology:
     num_nodes: int
     node_ranks: Tuple[Tuple[int, ...], ...]  # world ranks of every node, in local-rank order
     launcher: str   # horovod | mpi | torchrun | single
-    grouping: str   # how nodes were found: override | horovod | mpi-shared-memory | torchrun | single
+    grouping: str   # how nodes were found: override | horovod-cross-rank | mpi-shared-memory | torchrun-group-rank | single
 
     @property
     def is_leader(self) -> bool:
@@ -62,7 +62,7 @@ class Topology:
 
 def parse_ranks_per_node(value) -> Optional[int]:
     """``None``/``""``/``0`` mean no override; anything else must be a positive integer."""
-    if value is None or value == "" or value == 0:
+    if value is None or (isinstance(value, str) and not value.strip()):
         return None
     try:
         n = int(value)
@@ -70,6 +70,8 @@ def parse_ranks_per_node(value) -> Optional[int]:
             raise ValueError
     except (TypeError, ValueError):
         raise TopologyError(f"ranks_per_node must be a positive integer, got {value!r}") from None
+    if n == 0:
+        return None
     if n < 1:
         raise TopologyError(f"ranks_per_node must be a positive integer, got {value!r}")
     return n
@@ -111,7 +113,8 @@ def group_nodes(rank: int, reports: Sequence[Tuple[Hashable, Optional[int]]], la
     node_ranks = tuple(tuple(rs) for rs in sorted(members.values(), key=lambda rs: rs[0]))
     counts = {len(rs) for rs in node_ranks}
     if len(counts) > 1:
-        detail = "; ".join(f"node {i}: {len(rs)} ranks ({_fmt_ranks(rs)})" for i, rs in enumerate(node_ranks))
+        detail = "; ".join(f"node {i}: {len(rs)} rank{'s' if len(rs) > 1 else ''} ({_fmt_ranks(rs)})"
+                           for i, rs in enumerate(node_ranks))
         raise TopologyError("heterogeneous nodes: H-SADMM needs the same number of ranks on every node, got "
                             f"{detail}. Launch the same number of slots per host (-H host1:4,host2:4) or set "
                             f"ranks_per_node / {ENV_RANKS_PER_NODE}.")

@@ -105,7 +105,7 @@ def test_horovodrun_gloo_two_hosts(tmp_path):
     _ok(proc)
     check_results(tmp_path, ["gloo", "horovod", "auto"], accounted_as={"auto": "gloo"})
     grouping = json.loads((tmp_path / "rank0.json").read_text())["topology"]["grouping"]
-    assert grouping == "horovod"
+    assert grouping == "horovod-cross-rank"
 
 
 @needs_mpirun

@@ -20,6 +20,10 @@ from .base import Communicator, Groups
 
 BACKENDS = ("auto", "mpi", "gloo", "nccl", "horovod")
 
+
+class BackendUnavailable(RuntimeError):
+    """The backend exists but cannot run in this job (no CUDA for nccl, no MPI launch for mpi, ...)."""
+
 _groups: Dict[str, Groups] = {}
 
 
@@ -35,10 +39,10 @@ def unavailable_reason(backend: str, launcher: str) -> Optional[str]:
         from .auto import cpu_backend
         return unavailable_reason(cpu_backend(launcher), launcher)
     if backend == "mpi":
-        from ..launch import launched_by_mpi
+        from ..launch import describe, launched_by_mpi
         if launcher != "single" and not launched_by_mpi():
             return (f"the mpi backend needs a launch by mpirun/srun or horovodrun --mpi (this job was started "
-                    f"as '{launcher}'): use backend='gloo' or 'horovod'")
+                    f"by {describe(launcher)}): use backend='gloo' or 'horovod'")
         try:
             import mpi4py  # noqa: F401
         except ImportError as exc:
@@ -68,7 +72,7 @@ def groups(backend: Optional[str] = None) -> Groups:
 
 def _build(backend: str, topo, control) -> Groups:
     check_backend_name(backend)
-    control.agree(unavailable_reason(backend, topo.launcher))
+    control.agree(unavailable_reason(backend, topo.launcher), BackendUnavailable)
     if topo.size == 1 and backend != "nccl":
         from .base import SingleCommunicator
         one = lambda tier: SingleCommunicator(tier, [0], [0], 0)  # noqa: E731
@@ -94,5 +98,5 @@ def _forget() -> None:
     _groups.clear()
 
 
-__all__ = ["BACKENDS", "CommLedger", "CommRecord", "Communicator", "Groups", "groups", "ledger", "reset",
+__all__ = ["BACKENDS", "BackendUnavailable", "CommLedger", "CommRecord", "Communicator", "Groups", "groups", "ledger", "reset",
            "summary", "unavailable_reason"]

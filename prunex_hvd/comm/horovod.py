@@ -8,6 +8,7 @@ operations, else through host memory.
 """
 from __future__ import annotations
 
+import os
 from typing import List
 
 import torch
@@ -84,10 +85,10 @@ def available(launcher: str) -> str | None:
     except ImportError as exc:
         return f"Horovod is not importable ({exc}); `make setup` builds it"
     if launcher != "horovod" or not hvd.is_initialized():
+        from ..launch import describe
         return ("the horovod backend needs a launch by horovodrun or mpirun with Horovod installed "
-                f"(this job was started as '{launcher}')")
-    import os
-    if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") in ("0", "") :
+                f"(this job was started by {describe(launcher)})")
+    if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") in ("0", ""):
         return ("Horovod was initialised without dynamic process sets: call prunex_hvd.init() before "
                 "hvd.init(), or hvd.init(process_sets='dynamic')")
     return None

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -122,6 +123,8 @@ def main():
     except Exception as exc:  # noqa: BLE001 - reported to the parent test, with the rank
         print(f"[rank {env_rank()}] prunex_hvd error: {type(exc).__name__}: {exc}", flush=True)
         traceback.print_exc()
+        sys.stdout.flush()
+        time.sleep(2)  # the launcher aborts the job at the first exit: let every rank print its error first
         sys.exit(3)
     if a.out:
         with open(os.path.join(a.out, f"rank{topo.rank}.json"), "w") as f:
