@@ -47,3 +47,13 @@ def test_ledger_summary_and_reset():
     assert s["inter"]["by_op"]["allreduce"]["ops"] == 2 and len(led.records) == 3
     led.reset()
     assert led.summary()["total"]["ops"] == 0 and led.records == []
+
+
+def test_tagged_traffic_is_kept_apart():
+    led = CommLedger()
+    with led.tagged("consensus"):
+        led.add(CommRecord("allreduce", "inter", "mpi", 64, 64, 64, 0.0, tag=led.current_tag))
+    led.add(CommRecord("allreduce", "inter", "mpi", 8, 8, 8, 0.0, tag=led.current_tag))
+    by_op = led.summary(by_op=True)["inter"]["by_op"]
+    assert by_op["allreduce[consensus]"]["payload_bytes"] == 64 and by_op["allreduce"]["payload_bytes"] == 8
+    assert led.current_tag == ""

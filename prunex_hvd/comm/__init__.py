@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from .accounting import CommLedger, CommRecord, ledger, reset, summary
+from .accounting import CommLedger, CommRecord, ledger, reset, summary, tagged
 from .base import Communicator, Groups
 
 BACKENDS = ("auto", "mpi", "gloo", "nccl", "horovod")
@@ -99,4 +99,4 @@ def _forget() -> None:
 
 
 __all__ = ["BACKENDS", "BackendUnavailable", "CommLedger", "CommRecord", "Communicator", "Groups", "groups", "ledger", "reset",
-           "summary", "unavailable_reason"]
+           "summary", "tagged", "unavailable_reason"]

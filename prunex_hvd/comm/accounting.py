@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, asdict
 from typing import Dict, List, Optional, Sequence
 
@@ -38,6 +39,7 @@ class CommRecord:
     wire_bytes: int      # what this rank sends under the ring model
     cross_node_bytes: int  # the part of wire_bytes that crosses a node boundary
     seconds: float
+    tag: str = ""        # what the traffic was for (set with CommLedger.tagged), e.g. "consensus"
 
 
 def ring_sent_bytes(op: str, nbytes: Sequence[int], index: int, root: int = 0) -> int:
@@ -75,8 +77,23 @@ class CommLedger:
 
     def __init__(self, keep_records: bool = False):
         self._lock = threading.Lock()
+        self._local = threading.local()
         self.keep_records = keep_records
         self.reset()
+
+    @property
+    def current_tag(self) -> str:
+        return getattr(self._local, "tag", "")
+
+    @contextmanager
+    def tagged(self, tag: str):
+        """Label the collectives issued inside the block; ``summary(by_op=True)`` keys them ``op[tag]``."""
+        before = self.current_tag
+        self._local.tag = tag
+        try:
+            yield
+        finally:
+            self._local.tag = before
 
     def reset(self) -> None:
         with self._lock:
@@ -85,7 +102,7 @@ class CommLedger:
 
     def add(self, rec: CommRecord) -> None:
         with self._lock:
-            t = self._totals[(rec.tier, rec.op)]
+            t = self._totals[(rec.tier, f"{rec.op}[{rec.tag}]" if rec.tag else rec.op)]
             t[0] += 1
             t[1] += rec.payload_bytes
             t[2] += rec.wire_bytes
@@ -97,7 +114,7 @@ class CommLedger:
     def summary(self, by_op: bool = False) -> Dict[str, dict]:
         """``{tier: {ops, payload_bytes, wire_bytes, cross_node_bytes, seconds}}`` plus ``total``.
 
-        With ``by_op=True`` each tier also carries ``by_op: {op: {...}}``."""
+        With ``by_op=True`` each tier also carries ``by_op: {op: {...}}`` (``op[tag]`` for tagged traffic)."""
         keys = ("ops", "payload_bytes", "wire_bytes", "cross_node_bytes", "seconds")
         out = {tier: dict.fromkeys(keys, 0) for tier in TIERS + ("total",)}
         with self._lock:
@@ -127,6 +144,11 @@ def summary(by_op: bool = False) -> Dict[str, dict]:
 
 def reset() -> None:
     _default_ledger.reset()
+
+
+def tagged(tag: str):
+    """``with px.comm.tagged("consensus"): ...`` labels the traffic of the block in the default ledger."""
+    return _default_ledger.tagged(tag)
 
 
 def record_dict(rec: CommRecord) -> dict:

@@ -179,7 +179,7 @@ class _Accounted:
             op=self.op, tier=c.tier, backend=c.backend, payload_bytes=self.sizes[c.rank],
             wire_bytes=ring_sent_bytes(model_op, self.sizes, c.rank, self.root),
             cross_node_bytes=ring_cross_node_bytes(model_op, self.sizes, c.rank, c.nodes, self.root),
-            seconds=time.perf_counter() - self.t0))
+            seconds=time.perf_counter() - self.t0, tag=c.ledger.current_tag))
         return False
 
 

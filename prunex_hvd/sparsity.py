@@ -1,0 +1,410 @@
+"""Structured sparsity: which groups of a conv weight survive, and how to ship only those.
+
+Pure tensor functions, no communication; CPU and CUDA alike.
+
+A conv weight ``W`` of shape ``(C_out, C_in, KH, KW)`` is read as its GEMM matrix ``(C_out, C_in*KH*KW)``
+(:func:`gemm_view`). A structure keeps whole groups of that matrix:
+
+* ``filter:K``  keeps ``ceil(K*C_out)`` rows (output filters),
+* ``channel:K`` keeps ``ceil(K*C_in)`` input channels; channel ``c`` is the column block
+  ``c*KH*KW ... (c+1)*KH*KW - 1`` (all of ``W[:, c]``),
+* ``shape:K``   keeps ``ceil(K*C_in*KH*KW)`` single columns (one kernel position of one channel).
+
+``K`` is the *keep* ratio. Each stage keeps the groups of largest L2 norm (ties: lowest index), which makes
+``W * mask`` the Frobenius-nearest member of that structured set (the projection Π_S of ADMM): the error is
+the sum of the squared norms of the dropped groups, so dropping the smallest ones is optimal.
+
+A composite spec such as ``"filter:0.5+channel:0.5"`` is applied in the fixed order filter → channel → shape;
+each stage ranks the norms of the matrix already masked by the stages before it. Whatever the spec, the
+result is two masks, one over rows and one over columns, and the kept entries are ``rows ⊗ cols``. So the
+kept part of a tensor is a dense block that :func:`shrink` cuts out and :func:`recover` puts back: the two
+index sets are the only metadata a receiver needs.
+
+    spec = parse_spec("channel:0.5")
+    rows, cols = structured_masks(conv.weight, spec)
+    r, c = masks_to_indices(rows, cols)
+    block = shrink(conv.weight, r, c)                 # (len(r), len(c)), contiguous
+    w = recover(block, r, c, conv.weight.shape)       # == project(conv.weight, spec)
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+KINDS = ("filter", "channel", "shape")   # also the application order
+_ORDER = {k: i for i, k in enumerate(KINDS)}
+_DENSE_WORDS = ("", "dense")
+
+
+# --------------------------------------------------------------------------------------------- specs
+
+def _fmt_keep(keep: float) -> str:
+    # Short form when it round-trips ("0.5", "1"), exact repr otherwise, so str(spec) parses back equal.
+    s = f"{keep:.12g}"
+    return s if float(s) == keep else repr(keep)
+
+
+def _check_part(kind, keep) -> Tuple[str, float]:
+    if kind not in _ORDER:
+        raise ValueError(f"unknown structure kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+    try:
+        keep = float(keep)
+    except (TypeError, ValueError):
+        raise ValueError(f"{kind}: keep ratio {keep!r} is not a number") from None
+    if not (0.0 < keep <= 1.0):     # also rejects nan
+        raise ValueError(f"{kind}:{keep!r}: keep ratio must be in (0, 1]")
+    return kind, keep
+
+
+@dataclass(frozen=True)
+class StructureSpec:
+    """A structured-sparsity constraint: ``(kind, keep)`` pairs in application order; ``()`` is dense.
+
+    Built by :func:`parse_spec`; direct construction is validated and put in canonical order too, so two
+    specs meaning the same thing compare (and hash) equal.
+    """
+    parts: tuple = ()
+
+    def __post_init__(self):
+        parts = [_check_part(*p) for p in self.parts]
+        kinds = [k for k, _ in parts]
+        for k in KINDS:
+            if kinds.count(k) > 1:
+                raise ValueError(f"structure kind {k!r} given more than once")
+        object.__setattr__(self, "parts", tuple(sorted(parts, key=lambda p: _ORDER[p[0]])))
+
+    @property
+    def is_dense(self) -> bool:
+        """No constraint at all: every entry is kept."""
+        return not self.parts
+
+    def __str__(self) -> str:
+        if self.is_dense:
+            return "dense"
+        return "+".join(f"{k}:{_fmt_keep(v)}" for k, v in self.parts)
+
+
+DENSE = StructureSpec(())
+
+
+def parse_spec(spec) -> StructureSpec:
+    """``"filter:0.3+shape:0.8"`` → :class:`StructureSpec`, parts in the order filter → channel → shape.
+
+    ``None``, ``""`` and ``"dense"`` mean no constraint; a :class:`StructureSpec` is returned as is.
+    Whitespace and letter case are ignored. The number is the fraction of groups *kept*, in (0, 1].
+    """
+    if isinstance(spec, StructureSpec):
+        return spec
+    if spec is None:
+        return DENSE
+    if not isinstance(spec, str):
+        raise TypeError(f"sparsity spec must be a str like 'channel:0.5', a StructureSpec or None, "
+                        f"not {type(spec).__name__}")
+    text = "".join(spec.split()).lower()
+    if text in _DENSE_WORDS:
+        return DENSE
+    parts = []
+    for item in text.split("+"):
+        kind, sep, num = item.partition(":")
+        if kind not in _ORDER:
+            raise ValueError(f"sparsity spec {spec!r}: unknown structure kind {kind!r}; "
+                             f"valid kinds: {', '.join(KINDS)} (or 'dense')")
+        if not sep or not num:
+            raise ValueError(f"sparsity spec {spec!r}: {kind!r} needs a keep ratio, e.g. '{kind}:0.5'")
+        try:
+            keep = float(num)
+        except ValueError:
+            raise ValueError(f"sparsity spec {spec!r}: keep ratio {num!r} of {kind!r} is not a number") from None
+        if not (0.0 < keep <= 1.0):
+            raise ValueError(f"sparsity spec {spec!r}: {kind}:{num}: keep ratio must be in (0, 1]")
+        if any(k == kind for k, _ in parts):
+            raise ValueError(f"sparsity spec {spec!r}: structure kind {kind!r} given more than once")
+        parts.append((kind, keep))
+    return StructureSpec(tuple(parts))
+
+
+def resolve_specs(named_params, sparsity) -> dict:
+    """Which parameters get which structure: ``{name: StructureSpec}`` for the constrained conv weights only.
+
+    ``sparsity`` is ``None`` (nothing), one spec for every 4-D parameter, or a dict ``{glob: spec}`` whose
+    globs (:func:`fnmatch.fnmatchcase`, case-sensitive) match parameter names; for each 4-D parameter the
+    first matching glob in dict order decides, so ``{"conv1.*": "dense", "*": "channel:0.5"}`` spares
+    ``conv1``. A glob that matches nothing, or that asks for structure on non-conv parameters only, is an
+    error rather than a silent no-op: a typo there would otherwise train a dense model.
+    """
+    params = [(name, p) for name, p in named_params]
+    if sparsity is None:
+        return {}
+    if not isinstance(sparsity, Mapping):
+        spec = parse_spec(sparsity)
+        if spec.is_dense:
+            return {}
+        return {name: spec for name, p in params if p.dim() == 4}
+
+    rules = []
+    for glob, s in sparsity.items():
+        if not isinstance(glob, str):
+            raise TypeError(f"sparsity dict keys must be parameter-name globs (str), not {glob!r}")
+        try:
+            spec = parse_spec(s)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"sparsity[{glob!r}]: {e}") from None
+        matched = [(name, p) for name, p in params if fnmatch.fnmatchcase(name, glob)]
+        if not matched:
+            some = ", ".join(name for name, _ in params[:6]) + (", ..." if len(params) > 6 else "")
+            raise ValueError(f"sparsity glob {glob!r} matches no parameter (names look like: {some or 'none'})")
+        if not spec.is_dense and not any(p.dim() == 4 for _, p in matched):
+            name, p = matched[0]
+            raise ValueError(f"sparsity[{glob!r}] = {str(spec)!r}: {name!r} (shape {tuple(p.shape)}) is not a conv "
+                             f"weight (4-D); structured sparsity applies to conv weights only")
+        rules.append((glob, spec))
+
+    out = {}
+    for name, p in params:
+        if p.dim() != 4:
+            continue
+        for glob, spec in rules:
+            if fnmatch.fnmatchcase(name, glob):
+                if not spec.is_dense:
+                    out[name] = spec
+                break
+    return out
+
+
+# --------------------------------------------------------------------------------------------- masks
+
+def gemm_view(weight: Tensor) -> Tensor:
+    """``(C_out, C_in, KH, KW)`` → ``(C_out, C_in*KH*KW)``; a view when ``weight`` is contiguous.
+
+    Any tensor with at least one dimension is read the same way (1-D: one column), so dense parameters can
+    go through :func:`shrink` / :func:`recover` with full index sets.
+    """
+    if weight.dim() == 0:
+        raise ValueError("gemm_view needs a tensor with at least one dimension")
+    return weight.reshape(weight.shape[0], -1)
+
+
+def keep_count(keep: float, n: int) -> int:
+    """How many of ``n`` groups a keep ratio keeps: ``ceil(keep*n)`` clamped to ``[1, n]``.
+
+    ``keep*n`` in floating point can land a hair above an integer (``0.1+0.2`` is not ``0.3``); the small
+    tolerance stops that from keeping one extra group.
+    """
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"keep_count: need at least one group, got n={n}")
+    if not (0.0 < keep <= 1.0):
+        raise ValueError(f"keep ratio must be in (0, 1], got {keep!r}")
+    k = math.ceil(keep * n - max(1e-9, n * 1e-12))
+    return min(max(k, 1), n)
+
+
+def _top_mask(norms: Tensor, k: int) -> Tensor:
+    # Stable descending sort: among equal norms the lowest index comes first, so it is the one kept.
+    order = torch.sort(norms, descending=True, stable=True).indices[:k]
+    mask = torch.zeros(norms.shape[0], dtype=torch.bool, device=norms.device)
+    mask[order] = True
+    return mask
+
+
+def structured_masks(weight: Tensor, spec) -> Tuple[Tensor, Tensor]:
+    """The projection's support: ``(rows: bool[C_out], cols: bool[C_in*KH*KW])`` on ``weight.device``.
+
+    Stages run filter → channel → shape, each ranking the weight as masked by the stages before it. Channel
+    and shape columns combine with AND. A dense spec gives all-True masks (for a tensor of any rank).
+    """
+    spec = parse_spec(spec)
+    w = gemm_view(weight.detach())
+    n_rows, n_cols = w.shape
+    rows = torch.ones(n_rows, dtype=torch.bool, device=w.device)
+    cols = torch.ones(n_cols, dtype=torch.bool, device=w.device)
+    if spec.is_dense:
+        return rows, cols
+    if weight.dim() != 4:
+        raise ValueError(f"structured sparsity {str(spec)!r} needs a conv weight (4-D: C_out, C_in, KH, KW), "
+                         f"got shape {tuple(weight.shape)}")
+    # Rank on squares (same order as L2 norms, one rounding fewer), in float32 at least so half-precision
+    # weights neither overflow nor collapse distinct norms into ties.
+    sq = w.to(torch.float64 if w.dtype == torch.float64 else torch.float32).square()
+    c_in = weight.shape[1]
+    ksize = n_cols // c_in
+    for kind, keep in spec.parts:   # already in filter -> channel -> shape order
+        masked = sq * rows[:, None] * cols[None, :]
+        if kind == "filter":
+            rows = _top_mask(masked.sum(1), keep_count(keep, n_rows))
+        elif kind == "channel":
+            ch = _top_mask(masked.view(n_rows, c_in, ksize).sum((0, 2)), keep_count(keep, c_in))
+            cols = cols & ch.repeat_interleave(ksize)
+        else:  # shape
+            cols = cols & _top_mask(masked.sum(0), keep_count(keep, n_cols))
+    return rows, cols
+
+
+def masks_to_indices(rows: Tensor, cols: Tensor) -> Tuple[Tensor, Tensor]:
+    """The kept row and column numbers, int64, ascending: what :func:`shrink` / :func:`recover` take."""
+    return rows.nonzero().flatten(), cols.nonzero().flatten()
+
+
+def _mask2d(weight: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    return (rows.to(weight.device)[:, None] & cols.to(weight.device)[None, :]).reshape(weight.shape)
+
+
+def apply_masks(weight: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """``W ⊙ (rows ⊗ cols)`` as a new tensor of ``weight``'s shape and dtype.
+
+    Uses masked_fill rather than a multiply so dropped entries are exactly 0 even when they hold inf/nan.
+    """
+    return weight.masked_fill(~_mask2d(weight, rows, cols), 0)
+
+
+def project(weight: Tensor, spec) -> Tensor:
+    """Π_S(W): the Frobenius-nearest structured-sparse tensor (exactly so for a single structure kind)."""
+    return apply_masks(weight, *structured_masks(weight, parse_spec(spec)))
+
+
+def density(rows: Tensor, cols: Tensor) -> float:
+    """Fraction of GEMM entries kept: ``|rows| * |cols| / (C_out * C_in*KH*KW)``."""
+    return int(rows.sum()) * int(cols.sum()) / (rows.numel() * cols.numel())
+
+
+# ----------------------------------------------------------------------------------- shrink / recover
+#
+# Index sets are expected as masks_to_indices gives them: int64, ascending, no repeats. That lets a full set
+# be recognised by its length alone (no device sync), and full sets take a cheaper path: one index_select /
+# index_copy_ along the other dimension, or a plain copy when both are full.
+
+def _idx(idx, device) -> Tensor:
+    return torch.as_tensor(idx, dtype=torch.long, device=device)
+
+
+def _out2d(out: Tensor, r: int, c: int, who: str) -> Tensor:
+    if out.numel() != r * c:
+        raise ValueError(f"{who}: out has {out.numel()} elements, the block needs {r}x{c} = {r * c}")
+    if not out.is_contiguous():
+        raise ValueError(f"{who}: out must be contiguous (e.g. a slice of a flat buffer)")
+    return out.view(r, c)
+
+
+def _channel_runs(col_idx: Tensor, ksize: int) -> Optional[Tensor]:
+    """Channel numbers when ``col_idx`` is whole, aligned runs of ``ksize`` columns (a channel mask), else None.
+
+    Only asked on CPU: there gathering 9-float chunks per channel is about twice as fast as gathering single
+    columns, and the check is a few µs. On CUDA the check would need a host sync, which costs more than it saves.
+    """
+    if ksize <= 1 or col_idx.numel() % ksize or col_idx.device.type != "cpu":
+        return None
+    # numpy on a CPU tensor is a zero-copy view, and its small ops cost ~1 µs where torch's cost ~8 µs each.
+    runs = col_idx.numpy().reshape(-1, ksize)
+    first = runs[:, 0]
+    # Sorted and unique, so a run spanning exactly ksize-1 is consecutive; starting at a multiple of ksize it
+    # is one whole channel.
+    if ((first % ksize == 0) & (runs[:, -1] - first == ksize - 1)).all():
+        return torch.from_numpy(first // ksize)
+    return None
+
+
+def _take_cols(g: Tensor, col_idx: Tensor, ksize: int, out: Optional[Tensor]) -> Tensor:
+    ch = _channel_runs(col_idx, ksize)
+    if ch is None:
+        return torch.index_select(g, 1, col_idx, out=out) if out is not None else g.index_select(1, col_idx)
+    g3 = g.view(g.shape[0], -1, ksize)
+    if out is not None:
+        torch.index_select(g3, 1, ch, out=out.view(g.shape[0], -1, ksize))
+        return out
+    return g3.index_select(1, ch).view(g.shape[0], -1)
+
+
+def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None) -> Tensor:
+    """The kept block ``gemm_view(tensor)[row_idx][:, col_idx]`` as a contiguous ``(len(row_idx), len(col_idx))``.
+
+    With ``out`` (any contiguous tensor of that many elements, e.g. a slice of a flat communication bucket)
+    the block is written there and ``out`` is returned viewed as 2-D; ``out`` may have another dtype (it is
+    cast). The ``out`` path is not differentiable.
+    """
+    g = gemm_view(tensor)
+    n_rows, n_cols = g.shape
+    row_idx, col_idx = _idx(row_idx, g.device), _idx(col_idx, g.device)
+    r, c = row_idx.numel(), col_idx.numel()
+    all_rows, all_cols = r == n_rows, c == n_cols
+    # Kernel positions per input channel: lets a channel-structured column set be copied in whole chunks.
+    ksize = tensor.shape[2] * tensor.shape[3] if tensor.dim() == 4 else 1
+    if out is None:
+        if all_rows and all_cols:
+            return g.clone(memory_format=torch.contiguous_format)
+        if all_cols:
+            return g.index_select(0, row_idx)
+        # Rows first: dropping rows is a contiguous-chunk copy, and the column gather then runs over fewer rows.
+        return _take_cols(g if all_rows else g.index_select(0, row_idx), col_idx, ksize, None)
+
+    o = _out2d(out, r, c, "shrink")
+    with torch.no_grad():
+        if o.dtype != g.dtype or o.device != g.device:
+            o.copy_(shrink(tensor.detach(), row_idx, col_idx))
+        elif all_rows and all_cols:
+            o.copy_(g)
+        elif all_cols:
+            torch.index_select(g, 0, row_idx, out=o)
+        else:
+            _take_cols(g if all_rows else g.index_select(0, row_idx), col_idx, ksize, o)
+    return o
+
+
+def recover(compact: Tensor, row_idx, col_idx, shape, out: Optional[Tensor] = None) -> Tensor:
+    """Inverse of :func:`shrink`: a tensor of ``shape``, zero except at ``row_idx × col_idx`` (gemm view).
+
+    ``compact`` is the block, flat or 2-D. With ``out`` (a tensor of ``shape``) it is zero-filled, written and
+    returned (not differentiable); otherwise a new tensor of ``compact``'s dtype and device is made.
+    ``recover(shrink(W, r, c), r, c, W.shape)`` equals ``W`` wherever ``W`` is supported on ``r × c``.
+    """
+    shape = torch.Size(shape)
+    n_rows = shape[0]
+    n_cols = shape.numel() // n_rows if n_rows else 0
+    device = compact.device if out is None else out.device
+    row_idx, col_idx = _idx(row_idx, device), _idx(col_idx, device)
+    r, c = row_idx.numel(), col_idx.numel()
+    if compact.numel() != r * c:
+        raise ValueError(f"recover: compact has {compact.numel()} elements, expected {r}x{c} = {r * c}")
+    if out is not None and out.shape != shape:
+        raise ValueError(f"recover: out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    if out is not None and not out.is_contiguous():
+        # gemm_view of a non-contiguous tensor is a copy; build contiguously and copy back once.
+        with torch.no_grad():
+            return out.copy_(recover(compact.detach(), row_idx, col_idx, shape))
+
+    block = compact.reshape(r, c)
+    if out is None:
+        res = block.new_zeros(shape) if (r, c) != (n_rows, n_cols) else None
+        return _scatter(res, block, row_idx, col_idx, shape, n_rows, n_cols)
+    with torch.no_grad():
+        block = block.detach().to(device=out.device, dtype=out.dtype)
+        if (r, c) != (n_rows, n_cols):
+            out.zero_()
+        _scatter(out, block, row_idx, col_idx, shape, n_rows, n_cols)
+    return out
+
+
+def _scatter(dst, block, row_idx, col_idx, shape, n_rows, n_cols) -> Tensor:
+    r, c = block.shape
+    if (r, c) == (n_rows, n_cols):       # dense: nothing to zero, a straight copy
+        if dst is None:
+            return block.reshape(shape).clone(memory_format=torch.contiguous_format)
+        return dst.copy_(block.reshape(shape))
+    g = gemm_view(dst)                   # a view: dst is contiguous here
+    if c == n_cols:
+        g.index_copy_(0, row_idx, block)
+    elif r == n_rows:
+        # scatter_ with a broadcast (stride-0) index: about 2.5x faster than index_copy_ along dim 1 on CPU.
+        g.scatter_(1, col_idx[None, :].expand(r, c), block)
+    else:
+        # Spread the columns into a rows-only block first, then drop whole rows in: two cheap copies instead
+        # of a 2-D index_put_ that must compute a flat offset per element.
+        wide = block.new_zeros(r, n_cols)
+        wide.scatter_(1, col_idx[None, :].expand(r, c), block)
+        g.index_copy_(0, row_idx, wide)
+    return dst
