@@ -124,7 +124,9 @@ def main():
         print(f"[rank {env_rank()}] prunex_hvd error: {type(exc).__name__}: {exc}", flush=True)
         traceback.print_exc()
         sys.stdout.flush()
-        time.sleep(2)  # the launcher aborts the job at the first exit: let every rank print its error first
+        # the launcher aborts the whole job at the first non-zero exit: give every rank (on a loaded 2-core
+        # CI host) time to reach its own error and print it before this one exits
+        time.sleep(8)
         sys.exit(3)
     if a.out:
         with open(os.path.join(a.out, f"rank{topo.rank}.json"), "w") as f:
