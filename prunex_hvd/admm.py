@@ -1,0 +1,73 @@
+"""The H-SADMM updates as pure tensor functions: no communication, no state.
+
+Notation (DESIGN.md): θ a rank's parameter, u its intra dual, z_i the node consensus, v_i the inter dual,
+z the global consensus; ρ1 (intra) and ρ2 (inter) penalties; λ the z-step weight decay; P ranks per node,
+M nodes. Duals are *scaled* (u = y/ρ), so a change of ρ must rescale them (:func:`rescale_dual`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence, Tuple
+
+import torch
+
+MU = 10.0   # residual balance that triggers a ρ change (Boyd et al. 2011, §3.4.1)
+TAU = 2.0   # factor of a ρ change
+
+
+def node_candidate(node_sum: torch.Tensor, z: torch.Tensor, v: torch.Tensor, rho1: float, rho2: float,
+                   local_size: int, num_nodes: int, weight_decay_z: float = 0.0) -> torch.Tensor:
+    """Exact minimiser over z_i of the augmented Lagrangian (:func:`node_objective`):
+
+        z̃_i = (ρ1·Σ_j(θ_ij + u_ij) + ρ2·(z − v_i)) / (λ/M + P·ρ1 + ρ2)
+
+    ``node_sum`` is Σ_j(θ_ij + u_ij) over the node's P ranks. (The paper's Eq. 9 omits P and writes z_i^k
+    where z^k belongs.)"""
+    denom = weight_decay_z / num_nodes + local_size * rho1 + rho2
+    return (node_sum * rho1 + (z - v) * rho2) / denom
+
+
+def node_objective(z_i: torch.Tensor, thetas: Sequence[torch.Tensor], us: Sequence[torch.Tensor],
+                   z: torch.Tensor, v: torch.Tensor, rho1: float, rho2: float, num_nodes: int,
+                   weight_decay_z: float = 0.0) -> torch.Tensor:
+    """The part of the augmented Lagrangian that depends on z_i:
+    λ/(2M)‖z_i‖² + Σ_j ρ1/2‖θ_ij − z_i + u_ij‖² + ρ2/2‖z_i − z + v_i‖²."""
+    out = weight_decay_z / (2 * num_nodes) * z_i.pow(2).sum()
+    for theta, u in zip(thetas, us):
+        out = out + rho1 / 2 * (theta - z_i + u).pow(2).sum()
+    return out + rho2 / 2 * (z_i - z + v).pow(2).sum()
+
+
+def global_average(node_values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """z-step: the mean over nodes of (z_i + v_i) on the global support (the caller compacts to it)."""
+    return torch.stack(list(node_values)).mean(0)
+
+
+def update_dual(dual: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Scaled dual ascent in place: dual += a − b (u += θ − z_i, v_i += z_i − z)."""
+    return dual.add_(a).sub_(b)
+
+
+def adapt_rho(rho: float, primal: float, dual: float, rho_max: float, mu: float = MU, tau: float = TAU) -> float:
+    """Residual balancing: grow ρ when the primal residual dominates, shrink it when the dual one does."""
+    if primal > mu * dual:
+        rho = rho * tau
+    elif dual > mu * primal:
+        rho = rho / tau
+    return min(rho, rho_max)
+
+
+def rescale_dual(dual: torch.Tensor, rho_old: float, rho_new: float) -> torch.Tensor:
+    """Keep the unscaled dual y = ρ·u fixed when ρ changes: u ← u·ρ_old/ρ_new."""
+    if rho_new != rho_old:
+        dual.mul_(rho_old / rho_new)
+    return dual
+
+
+def sq_norm(t: torch.Tensor) -> float:
+    return float(t.double().pow(2).sum())
+
+
+def residual_norms(r_intra_sq: float, s_intra_sq: float, r_inter_sq: float, s_inter_sq: float
+                   ) -> Tuple[float, float, float, float]:
+    return tuple(math.sqrt(max(x, 0.0)) for x in (r_intra_sq, s_intra_sq, r_inter_sq, s_inter_sq))

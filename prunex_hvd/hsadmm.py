@@ -1,0 +1,333 @@
+"""One H-SADMM consensus round (PruneX Algorithm 1, made exact in DESIGN.md), over the node and leader groups.
+
+Every rank of node i holds the same z_i, v_i and z; leaders (local rank 0) alone talk across nodes. A round:
+
+ 1. intra-node allreduce-SUM of θ + u                      (dense, fast links)
+ 2. node candidate z̃_i, the exact argmin in z_i            (admm.node_candidate, computed on every rank)
+ 3. z_i = Π_S(z̃_i); leaders OR the row/col masks          (then z_i = z̃_i ⊙ m once masks are frozen)
+ 4. shrink z_i + v_i to the global support; leaders average the compact buckets across nodes
+ 5. the leader broadcasts the compact z to its node; everyone recovers z by zero-fill scatter
+ 6. v_i += z_i − z,  u += θ − z_i
+ 7. residuals (r/s intra, r/s inter) per layer; adaptive ρ with dual rescaling
+ 8. float buffers (BatchNorm running stats) averaged in the same buckets; masks frozen when stable
+
+Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`HSADMM.add_proximal_grad`).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from . import admm, sparsity
+from .buckets import BucketLayout
+from .comm.accounting import ledger as default_ledger
+
+
+@dataclass
+class Entry:
+    """One model parameter in the consensus."""
+    name: str
+    param: torch.nn.Parameter
+    spec: Optional[sparsity.StructureSpec]   # None: dense consensus
+    u: torch.Tensor
+    z_i: torch.Tensor
+    v: torch.Tensor
+    z: torch.Tensor
+    rho1: float
+    rho2: float
+    rows: Optional[torch.Tensor] = None      # global structured masks (bool), GEMM view
+    cols: Optional[torch.Tensor] = None
+    row_idx: Optional[torch.Tensor] = None
+    col_idx: Optional[torch.Tensor] = None
+    residuals: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def structured(self) -> bool:
+        return self.spec is not None
+
+    def compact_numel(self) -> int:
+        if not self.structured:
+            return self.param.numel()
+        return len(self.row_idx) * len(self.col_idx)
+
+
+class HSADMM:
+    """The consensus state of one rank and the round that updates it. Transport comes from ``groups``
+    (a :class:`prunex_hvd.comm.Groups`); the math from :mod:`prunex_hvd.admm` and :mod:`prunex_hvd.sparsity`."""
+
+    def __init__(self, model: torch.nn.Module, topo, groups, specs: Dict[str, sparsity.StructureSpec],
+                 rho1: float, rho2: float, rho_max: float, adaptive_rho: bool, weight_decay_z: float,
+                 freeze_round: Optional[int], freeze_patience: int, bucket_mb: float, ledger=None):
+        self.topo, self.groups = topo, groups
+        self.rho_max, self.adaptive_rho = rho_max, adaptive_rho
+        self.weight_decay_z = weight_decay_z
+        self.freeze_round, self.freeze_patience = freeze_round, freeze_patience
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.ledger = ledger or default_ledger()
+        params = [(n, p) for n, p in model.named_parameters()]
+        self.buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+        dtypes = {p.dtype for _, p in params} | {b.dtype for _, b in self.buffers}
+        devices = {p.device for _, p in params} | {b.device for _, b in self.buffers}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(f"the consensus packs every parameter and float buffer into shared buckets, so they "
+                             f"must share one dtype and device; got dtypes {sorted(map(str, dtypes))}, devices "
+                             f"{sorted(map(str, devices))}")
+        self.dtype, self.device = dtypes.pop(), devices.pop()
+
+        self._broadcast_model(params)
+        self.entries: List[Entry] = []
+        for name, p in params:
+            theta = p.detach()
+            e = Entry(name, p, specs.get(name), u=torch.zeros_like(theta), z_i=theta.clone(),
+                      v=torch.zeros_like(theta), z=theta.clone(), rho1=float(rho1), rho2=float(rho2))
+            if e.structured:   # masks start all ones
+                c_out = theta.shape[0]
+                e.rows = torch.ones(c_out, dtype=torch.bool, device=self.device)
+                e.cols = torch.ones(theta.numel() // c_out, dtype=torch.bool, device=self.device)
+                e.row_idx, e.col_idx = sparsity.masks_to_indices(e.rows, e.cols)
+            self.entries.append(e)
+        self.structured = [e for e in self.entries if e.structured]
+        self.round = 0
+        self.frozen = False
+        self.stable_rounds = 0
+        self.mask_drift = 0.0
+        self.bytes = {"inter": 0, "intra": 0, "world": 0, "inter_consensus": 0, "dense_inter": 0}
+        self._dense = BucketLayout([e.param.numel() for e in self.entries] + [b.numel() for _, b in self.buffers],
+                                   self.dtype, self.device, self.bucket_bytes)
+        self._compact: Optional[BucketLayout] = None
+        self._refresh_prox()
+
+    # -- set-up -----------------------------------------------------------------------------------------
+    def _broadcast_model(self, params) -> None:
+        """Rank 0's parameters and float buffers to everyone, leaders first: nothing but the leaders crosses
+        nodes (the world group would route through non-leaders)."""
+        tensors = [p.detach() for _, p in params] + [b for _, b in self.buffers]
+        layout = BucketLayout([t.numel() for t in tensors], self.dtype, self.device, self.bucket_bytes)
+        with self.ledger.tagged("broadcast-init"):
+            for k, t in enumerate(tensors):
+                layout.views[k].copy_(t.reshape(-1))
+            for buf in layout.buffers:
+                if self.topo.is_leader:
+                    self.groups.inter.broadcast_(buf, root=0)
+                self.groups.intra.broadcast_(buf, root=0)
+            for k, t in enumerate(tensors):
+                t.copy_(layout.views[k].view_as(t))
+
+    # -- every local step -------------------------------------------------------------------------------
+    def _refresh_prox(self) -> None:
+        """Cache ρ1(u − z_i) and group entries by ρ1, so a step is two fused foreach adds per group."""
+        self._shift = [(e.u - e.z_i).mul_(e.rho1) for e in self.entries]
+        groups: Dict[float, List[int]] = {}
+        for k, e in enumerate(self.entries):
+            groups.setdefault(e.rho1, []).append(k)
+        self._prox_groups = list(groups.items())
+
+    def add_proximal_grad(self) -> None:
+        """grad += ρ1(θ − z_i + u): the gradient of the intra-node penalty (Eq. 8)."""
+        for rho1, ks in self._prox_groups:
+            live = [k for k in ks if self.entries[k].param.grad is not None]
+            if not live:
+                continue
+            grads = [self.entries[k].param.grad for k in live]
+            torch._foreach_add_(grads, [self.entries[k].param.detach() for k in live], alpha=rho1)
+            torch._foreach_add_(grads, [self._shift[k] for k in live])
+
+    # -- the round ---------------------------------------------------------------------------------------
+    def consensus_round(self) -> dict:
+        t0 = time.perf_counter()
+        before = self.ledger.summary(by_op=False)
+        g, topo = self.groups, self.topo
+        P, M = topo.local_size, topo.num_nodes
+        n = len(self.entries)
+
+        # 1. intra-node sum of θ + u, and of the float buffers
+        for k, e in enumerate(self.entries):
+            torch.add(e.param.detach().reshape(-1), e.u.reshape(-1), out=self._dense.views[k])
+        for j, (_, b) in enumerate(self.buffers):
+            self._dense.views[n + j].copy_(b.reshape(-1))
+        with self.ledger.tagged("intra-sum"):
+            for buf in self._dense.buffers:
+                g.intra.allreduce_(buf, "sum")
+
+        # 2. node candidate, 3. projection onto the structured set
+        z_i_new = []
+        for k, e in enumerate(self.entries):
+            node_sum = self._dense.views[k].view_as(e.z)
+            z_i_new.append(admm.node_candidate(node_sum, e.z, e.v, e.rho1, e.rho2, P, M, self.weight_decay_z))
+        structured = [k for k, e in enumerate(self.entries) if e.structured]
+        if not self.frozen:
+            local = [sparsity.structured_masks(z_i_new[k], self.entries[k].spec) for k in structured]
+            for k, (rows, cols) in zip(structured, local):
+                z_i_new[k] = sparsity.apply_masks(z_i_new[k], rows, cols)
+            self._sync_masks(local)
+        else:
+            self.mask_drift = 0.0
+            for k in structured:
+                z_i_new[k] = sparsity.apply_masks(z_i_new[k], self.entries[k].rows, self.entries[k].cols)
+
+        # 4. shrink z_i + v_i onto the global support; leaders average across nodes; 5. compact broadcast
+        layout = self._compact_layout()
+        if topo.is_leader:
+            for k, e in enumerate(self.entries):
+                c = z_i_new[k] + e.v
+                if e.structured:
+                    sparsity.shrink(c, e.row_idx, e.col_idx, out=layout.views[k])
+                else:
+                    layout.views[k].copy_(c.reshape(-1))
+            for j in range(len(self.buffers)):
+                torch.div(self._dense.views[n + j], P, out=layout.views[n + j])
+        with self.ledger.tagged("consensus"):
+            for buf in layout.buffers:
+                if topo.is_leader:
+                    g.inter.allreduce_(buf, "avg")
+                g.intra.broadcast_(buf, root=0)
+
+        # recover z, then 6. dual updates, 7. residuals
+        local_sq = torch.zeros(n, 3, dtype=torch.float64)
+        s_inter_sq = []
+        for k, e in enumerate(self.entries):
+            if e.structured:
+                z_new = sparsity.recover(layout.views[k], e.row_idx, e.col_idx, e.z.shape)
+            else:
+                z_new = layout.views[k].view_as(e.z).clone()
+            theta = e.param.detach()
+            local_sq[k, 0] = admm.sq_norm(theta - z_i_new[k])
+            if topo.is_leader:   # node-level terms: once per node
+                local_sq[k, 1] = admm.sq_norm(z_i_new[k] - e.z_i) * e.rho1 ** 2
+                local_sq[k, 2] = admm.sq_norm(z_i_new[k] - z_new)
+            s_inter_sq.append(admm.sq_norm(z_new - e.z) * e.rho2 ** 2)
+            admm.update_dual(e.v, z_i_new[k], z_new)
+            admm.update_dual(e.u, theta, z_i_new[k])
+            e.z_i, e.z = z_i_new[k], z_new
+        for j, (_, b) in enumerate(self.buffers):
+            b.copy_(layout.views[n + j].view_as(b))
+        totals = self._sum_over_job(local_sq)
+
+        for k, e in enumerate(self.entries):
+            r_intra, s_intra, r_inter, s_inter = admm.residual_norms(*totals[k].tolist(), s_inter_sq[k])
+            e.residuals = {"r_intra": r_intra, "s_intra": s_intra, "r_inter": r_inter, "s_inter": s_inter}
+            if self.adaptive_rho:
+                rho1 = admm.adapt_rho(e.rho1, r_intra, s_intra, self.rho_max)
+                rho2 = admm.adapt_rho(e.rho2, r_inter, s_inter, self.rho_max)
+                admm.rescale_dual(e.u, e.rho1, rho1)
+                admm.rescale_dual(e.v, e.rho2, rho2)
+                e.rho1, e.rho2 = rho1, rho2
+        self._refresh_prox()
+
+        self.round += 1
+        if not self.frozen:
+            self.stable_rounds = self.stable_rounds + 1 if self.mask_drift == 0 else 0
+            if (self.freeze_round is not None and self.round >= self.freeze_round) or \
+                    self.stable_rounds >= self.freeze_patience:
+                self.frozen = True
+        return self._report(before, time.perf_counter() - t0)
+
+    # -- helpers -----------------------------------------------------------------------------------------
+    def _sync_masks(self, local) -> None:
+        """OR every node's row/col masks among the leaders, then hand the result to the node."""
+        if not self.structured:
+            self.mask_drift = 0.0
+            return
+        flat = torch.cat([torch.cat([r, c]) for r, c in local]).to(torch.uint8)
+        with self.ledger.tagged("masks"):
+            if self.topo.is_leader:
+                self.groups.inter.bor_(flat)
+            self.groups.intra.broadcast_(flat, root=0)
+        flat = flat.bool()
+        changed = kept_total = 0
+        offset = 0
+        for e in self.structured:
+            nr, nc = len(e.rows), len(e.cols)
+            rows, cols = flat[offset: offset + nr], flat[offset + nr: offset + nr + nc]
+            offset += nr + nc
+            both = int((rows & e.rows).sum()) * int((cols & e.cols).sum())
+            changed += int(rows.sum()) * int(cols.sum()) + int(e.rows.sum()) * int(e.cols.sum()) - 2 * both
+            kept_total += nr * nc
+            e.rows, e.cols = rows, cols
+            e.row_idx, e.col_idx = sparsity.masks_to_indices(rows, cols)
+        self.mask_drift = changed / kept_total
+        if changed:
+            self._compact = None   # the compact shapes changed: new buckets
+
+    def _compact_layout(self) -> BucketLayout:
+        if self._compact is None:
+            self._compact = BucketLayout([e.compact_numel() for e in self.entries] + [b.numel() for _, b in self.buffers],
+                                         self.dtype, self.device, self.bucket_bytes)
+        return self._compact
+
+    def _sum_over_job(self, local: torch.Tensor) -> torch.Tensor:
+        """Sum a small float64 tensor over every rank, hierarchically (non-leaders never cross nodes). It
+        travels on the model's device, so a CUDA model's round stays on NCCL."""
+        local = local.to(self.device)
+        with self.ledger.tagged("residuals"):
+            self.groups.intra.allreduce_(local, "sum")
+            if self.topo.is_leader:
+                self.groups.inter.allreduce_(local, "sum")
+            self.groups.intra.broadcast_(local, root=0)
+        return local.cpu()
+
+    def _report(self, before, seconds) -> dict:
+        after = self.ledger.summary(by_op=False)
+        delta = {t: after[t]["payload_bytes"] - before[t]["payload_bytes"] for t in ("intra", "inter", "world")}
+        consensus = self._compact.total_numel * self._compact.buffers[0].element_size() if self.topo.is_leader else 0
+        dense = self._dense.total_numel * self._dense.buffers[0].element_size() if self.topo.is_leader else 0
+        for t, b in delta.items():
+            self.bytes[t] += b
+        self.bytes["inter_consensus"] += consensus
+        self.bytes["dense_inter"] += dense
+        return {"round": self.round, "seconds": seconds, "inter_bytes": delta["inter"],
+                "intra_bytes": delta["intra"], "consensus_bytes": consensus, "dense_inter_bytes": dense,
+                "density": self.density(), "mask_drift": self.mask_drift, "frozen": self.frozen}
+
+    def density(self) -> float:
+        """Fraction of structured (conv) weights kept by the global masks."""
+        kept = sum(int(e.rows.sum()) * int(e.cols.sum()) for e in self.structured)
+        total = sum(e.param.numel() for e in self.structured)
+        return kept / total if total else 1.0
+
+    def layer_density(self) -> Dict[str, float]:
+        return {e.name: sparsity.density(e.rows, e.cols) for e in self.structured}
+
+    def finalize(self) -> None:
+        """Write the global consensus z into the model (exactly structurally sparse)."""
+        with torch.no_grad():
+            for e in self.entries:
+                e.param.copy_(e.z)
+
+    # -- state ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "round": self.round, "frozen": self.frozen, "stable_rounds": self.stable_rounds,
+            "mask_drift": self.mask_drift, "bytes": dict(self.bytes),
+            "entries": {e.name: {"u": e.u.clone(), "z_i": e.z_i.clone(), "v": e.v.clone(), "z": e.z.clone(),
+                                 "rho1": e.rho1, "rho2": e.rho2, "residuals": dict(e.residuals),
+                                 "rows": None if e.rows is None else e.rows.clone(),
+                                 "cols": None if e.cols is None else e.cols.clone()}
+                        for e in self.entries},
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        names = [e.name for e in self.entries]
+        if sorted(sd["entries"]) != sorted(names):
+            missing = sorted(set(names) - set(sd["entries"]))
+            extra = sorted(set(sd["entries"]) - set(names))
+            raise ValueError(f"engine state does not fit this model: missing {missing[:5]}, unexpected {extra[:5]}")
+        for e in self.entries:
+            s = sd["entries"][e.name]
+            if tuple(s["z"].shape) != tuple(e.z.shape):
+                raise ValueError(f"engine state for {e.name} has shape {tuple(s['z'].shape)}, the model {tuple(e.z.shape)}")
+            for key in ("u", "z_i", "v", "z"):
+                getattr(e, key).copy_(s[key])
+            e.rho1, e.rho2, e.residuals = float(s["rho1"]), float(s["rho2"]), dict(s["residuals"])
+            if e.structured:
+                e.rows, e.cols = s["rows"].to(self.device).clone(), s["cols"].to(self.device).clone()
+                e.row_idx, e.col_idx = sparsity.masks_to_indices(e.rows, e.cols)
+        self.round, self.frozen = int(sd["round"]), bool(sd["frozen"])
+        self.stable_rounds, self.mask_drift = int(sd["stable_rounds"]), float(sd["mask_drift"])
+        self.bytes = dict(sd["bytes"])
+        self._compact = None
+        self._refresh_prox()

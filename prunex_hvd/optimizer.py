@@ -1,0 +1,138 @@
+"""``DistributedOptimizer``: wrap any torch optimizer so training runs H-SADMM over the cluster topology.
+
+    opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), model,
+                                  sparsity="channel:0.5", local_steps=100)
+
+Tuning (what each knob does to speed and accuracy):
+
+* ``local_steps`` — wrapped steps between consensus rounds. Communication happens only in rounds, so
+  traffic falls as 1/local_steps; too many steps let ranks drift apart (higher primal residual, slower
+  agreement). The paper uses 5–10 local epochs per round on CIFAR; start with one epoch per round.
+* ``rho1`` — pull of each rank's θ toward its node consensus z_i, added to every gradient. Larger: ranks of a
+  node stay together and the structure is reached sooner, at the cost of freedom to fit local data
+  (accuracy). ``rho2`` — pull of each node toward the global z; keep it ~10× smaller than rho1 so nodes can
+  differ while their masks settle. ``adaptive_rho`` balances primal and dual residuals per layer (×/÷2 when
+  one is 10× the other, capped at ``rho_max``), which makes the defaults safe across models.
+* ``sparsity`` — the structure to keep: ``"filter:K"``, ``"channel:K"``, ``"shape:K"`` (K = fraction KEPT),
+  joined with ``"+"`` (applied filter → channel → shape), or ``{name_glob: spec}`` per layer (``"dense"``
+  excludes a layer). Only conv weights (4-D) are structured; the rest joins the consensus densely. Inter-node
+  traffic shrinks with the kept fraction.
+* ``freeze_round`` / ``freeze_patience`` — masks stop moving after that round, or once the global mask is
+  unchanged for that many rounds; then buffers are allocated once and projection is skipped.
+* ``weight_decay_z`` — λ of the z-step (a ridge on the consensus itself); 0 leaves decay to the optimizer.
+* ``bucket_mb`` — size of the flat buffers packed for each collective (one collective per bucket).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import runtime, sparsity
+from .comm import groups as comm_groups
+from .hsadmm import HSADMM
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixed into the user's optimizer class (as Horovod does), so schedulers and isinstance checks work."""
+
+    def __init__(self, params, model, sparsity_spec, local_steps, rho1, rho2, rho_max, adaptive_rho,
+                 weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend):
+        super(self.__class__, self).__init__(params)
+        topo = runtime.topology() if runtime.is_initialized() else runtime.init(backend=backend)
+        specs = sparsity.resolve_specs(model.named_parameters(), sparsity_spec)
+        self._local_steps = local_steps
+        self._step_count_local = 0
+        self._engine = HSADMM(model, topo, comm_groups(backend),
+                              specs, rho1, rho2, rho_max, adaptive_rho, weight_decay_z, freeze_round,
+                              freeze_patience, bucket_mb)
+        self._last_report: Optional[dict] = None
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("prunex_hvd.DistributedOptimizer does not take a closure: the proximal term is added "
+                             "to the gradients between backward() and step()")
+        self._engine.add_proximal_grad()
+        loss = super(self.__class__, self).step()
+        self._step_count_local += 1
+        if self._step_count_local % self._local_steps == 0:
+            self.consensus()
+        return loss
+
+    def consensus(self) -> dict:
+        """Run a consensus round now (collective: every rank must call it). Returns the round's report."""
+        self._last_report = self._engine.consensus_round()
+        return self._last_report
+
+    def finalize(self) -> None:
+        """Write the global consensus z into the model: every rank gets the same, exactly structurally
+        sparse model. If nodes' masks still differed (their OR is larger than asked), z is projected onto
+        the requested structure first, so the model is at the requested density."""
+        with torch.no_grad():
+            for e in self._engine.structured:
+                projected = sparsity.project(e.z, e.spec)
+                e.z.copy_(projected)
+        self._engine.finalize()
+
+    def stats(self) -> dict:
+        eng = self._engine
+        return {
+            "rounds": eng.round, "steps": self._step_count_local,
+            "inter_bytes": eng.bytes["inter"], "intra_bytes": eng.bytes["intra"],
+            "inter_consensus_bytes": eng.bytes["inter_consensus"], "dense_inter_bytes": eng.bytes["dense_inter"],
+            "density": eng.density(), "layer_density": eng.layer_density(), "mask_drift": eng.mask_drift,
+            "frozen": eng.frozen, "residuals": {e.name: dict(e.residuals) for e in eng.entries},
+            "rho": {e.name: {"rho1": e.rho1, "rho2": e.rho2} for e in eng.entries},
+        }
+
+    def state_dict(self):
+        sd = super(self.__class__, self).state_dict()
+        sd["prunex"] = dict(self._engine.state_dict(), local_steps_done=self._step_count_local)
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        engine = state_dict.pop("prunex", None)
+        if engine is None:
+            raise ValueError("this state dict has no 'prunex' engine state: save it with the wrapped optimizer's "
+                             "state_dict()")
+        super(self.__class__, self).load_state_dict(state_dict)
+        self._step_count_local = int(engine.pop("local_steps_done"))
+        self._engine.load_state_dict(engine)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, sparsity="channel:0.5",
+                         local_steps: int = 100, rho1: float = 1.5e-3, rho2: float = 1.5e-4, rho_max: float = 10.0,
+                         adaptive_rho: bool = True, weight_decay_z: float = 0.0, freeze_round: Optional[int] = None,
+                         freeze_patience: int = 3, bucket_mb: float = 32, backend: str = "auto"):
+    """Wrap ``optimizer`` (over ``model``'s parameters) to train with H-SADMM; see the module docstring for
+    the knobs. Collective: every rank constructs it, and rank 0's parameters and float buffers are broadcast
+    to all. Returns an instance of the optimizer's own class with ``consensus()``, ``finalize()``,
+    ``stats()`` and engine-aware ``state_dict()``/``load_state_dict()``."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(local_steps, int) or local_steps < 1:
+        raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+    for name, value in (("rho1", rho1), ("rho2", rho2), ("rho_max", rho_max), ("bucket_mb", bucket_mb)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if weight_decay_z < 0:
+        raise ValueError(f"weight_decay_z must be >= 0, got {weight_decay_z!r}")
+    if freeze_round is not None and (not isinstance(freeze_round, int) or freeze_round < 1):
+        raise ValueError(f"freeze_round must be None or an integer >= 1, got {freeze_round!r}")
+    if not isinstance(freeze_patience, int) or freeze_patience < 1:
+        raise ValueError(f"freeze_patience must be an integer >= 1, got {freeze_patience!r}")
+    model_params = {id(p) for p in model.parameters()}
+    stray = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if id(p) not in model_params]
+    if stray:
+        raise ValueError(f"the optimizer holds parameters that are not the model's (param groups {sorted(set(stray))})")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    wrapped = cls(optimizer.param_groups, model, sparsity, local_steps, rho1, rho2, rho_max, adaptive_rho,
+                  weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend)
+    inner_state = optimizer.state_dict()
+    if inner_state["state"]:
+        super(cls, wrapped).load_state_dict(inner_state)
+    return wrapped

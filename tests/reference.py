@@ -1,0 +1,68 @@
+"""A single-process reference of one H-SADMM round over all M×P ranks, written plainly from DESIGN.md in
+float64 (the engine runs in the model's dtype; tests compare to float tolerance)."""
+import math
+
+import torch
+
+from prunex_hvd.sparsity import structured_masks
+
+MU, TAU = 10.0, 2.0
+
+
+def _adapt(rho, primal, dual, rho_max):
+    if primal > MU * dual:
+        rho *= TAU
+    elif dual > MU * primal:
+        rho /= TAU
+    return min(rho, rho_max)
+
+
+def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True):
+    """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
+    frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers."""
+    M, P = len(node_ranks), len(node_ranks[0])
+    node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
+    frozen = states[0]["frozen"]
+    out = {"u": [{} for _ in states], "z_i": [{} for _ in range(M)], "v": [{} for _ in range(M)], "z": {},
+           "rho1": {}, "rho2": {}, "masks": {}, "buffers": {}, "residuals": {}}
+    d = lambda t: t.double()  # noqa: E731
+    for name in states[0]["theta"]:
+        rho1, rho2 = states[0]["rho1"][name], states[0]["rho2"][name]
+        z_old = d(states[0]["z"][name])
+        z_i, node_masks = [], []
+        for i, ranks in enumerate(node_ranks):
+            lead = states[ranks[0]]
+            node_sum = sum(d(states[r]["theta"][name]) + d(states[r]["u"][name]) for r in ranks)
+            cand = (rho1 * node_sum + rho2 * (z_old - d(lead["v"][name]))) / (weight_decay_z / M + P * rho1 + rho2)
+            if name in specs:
+                rows, cols = lead["masks"][name] if frozen else structured_masks(cand.float(), specs[name])
+                cand = cand * torch.outer(rows, cols).reshape(cand.shape)
+                node_masks.append((rows, cols))
+            z_i.append(cand)
+        support = torch.ones_like(z_old)
+        if name in specs:
+            rows = torch.stack([m[0] for m in node_masks]).any(0)
+            cols = torch.stack([m[1] for m in node_masks]).any(0)
+            out["masks"][name] = (rows, cols)
+            support = torch.outer(rows, cols).reshape(z_old.shape).double()
+        v = [d(states[ranks[0]]["v"][name]) for ranks in node_ranks]
+        z = torch.stack([z_i[i] + v[i] for i in range(M)]).mean(0) * support
+        r_intra = math.sqrt(sum(float((d(states[r]["theta"][name]) - z_i[node_of[r]]).pow(2).sum())
+                                for r in range(len(states))))
+        s_intra = rho1 * math.sqrt(sum(float((z_i[i] - d(states[ranks[0]]["z_i"][name])).pow(2).sum())
+                                       for i, ranks in enumerate(node_ranks)))
+        r_inter = math.sqrt(sum(float((z_i[i] - z).pow(2).sum()) for i in range(M)))
+        s_inter = rho2 * float((z - z_old).pow(2).sum()) ** 0.5
+        new1 = _adapt(rho1, r_intra, s_intra, rho_max) if adaptive else rho1
+        new2 = _adapt(rho2, r_inter, s_inter, rho_max) if adaptive else rho2
+        for i in range(M):
+            out["z_i"][i][name] = z_i[i].float()
+            out["v"][i][name] = ((v[i] + z_i[i] - z) * (rho2 / new2)).float()
+        for r, s in enumerate(states):
+            out["u"][r][name] = ((d(s["u"][name]) + d(s["theta"][name]) - z_i[node_of[r]]) * (rho1 / new1)).float()
+        out["z"][name] = z.float()
+        out["rho1"][name], out["rho2"][name] = new1, new2
+        out["residuals"][name] = (r_intra, s_intra, r_inter, s_inter)
+    for name in states[0]["buffers"]:
+        out["buffers"][name] = torch.stack([d(s["buffers"][name]) for s in states]).mean(0).float()
+    return out

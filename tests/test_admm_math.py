@@ -1,0 +1,66 @@
+"""The pure H-SADMM math, alone: the node candidate is the argmin, ρ adaptation and dual rescaling, buckets."""
+import pytest
+import torch
+
+from prunex_hvd import admm
+from prunex_hvd.buckets import BucketLayout
+
+
+@pytest.mark.parametrize("P,M,lam", [(1, 1, 0.0), (2, 2, 0.0), (4, 3, 0.7)])
+def test_node_candidate_is_the_argmin(P, M, lam):
+    g = torch.Generator().manual_seed(P * 10 + M)
+    shape = (5, 3)
+    thetas = [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(P)]
+    us = [torch.randn(shape, generator=g, dtype=torch.float64) * 0.1 for _ in range(P)]
+    z, v = torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
+    rho1, rho2 = 0.3, 0.05
+    cand = admm.node_candidate(sum(t + u for t, u in zip(thetas, us)), z, v, rho1, rho2, P, M, lam)
+    f = lambda x: admm.node_objective(x, thetas, us, z, v, rho1, rho2, M, lam)  # noqa: E731
+    # gradient vanishes at the candidate ...
+    x = cand.clone().requires_grad_(True)
+    f(x).backward()
+    assert x.grad.abs().max() < 1e-10
+    # ... and a numerical minimisation from elsewhere lands on it
+    y = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([y], lr=1, max_iter=200, tolerance_grad=1e-14, tolerance_change=1e-16)
+
+    def closure():
+        opt.zero_grad()
+        loss = f(y)
+        loss.backward()
+        return loss
+    opt.step(closure)
+    torch.testing.assert_close(y.detach(), cand, rtol=1e-8, atol=1e-8)
+    # the paper's printed Eq. 9 (no P in the normaliser) is not the argmin once P > 1
+    if P > 1:
+        wrong = (rho1 * sum(t + u for t, u in zip(thetas, us)) + rho2 * (z - v)) / (lam / M + rho1 + rho2)
+        assert f(wrong) > f(cand) + 1e-6
+
+
+def test_adapt_rho_balances_and_caps():
+    assert admm.adapt_rho(1.0, primal=100.0, dual=1.0, rho_max=10) == 2.0
+    assert admm.adapt_rho(1.0, primal=1.0, dual=100.0, rho_max=10) == 0.5
+    assert admm.adapt_rho(1.0, primal=5.0, dual=1.0, rho_max=10) == 1.0      # within μ=10: unchanged
+    assert admm.adapt_rho(8.0, primal=100.0, dual=1.0, rho_max=10) == 10.0    # capped
+
+
+def test_rescale_dual_keeps_unscaled_dual():
+    u = torch.tensor([1.0, -2.0])
+    y = 0.5 * u           # unscaled dual with ρ = 0.5
+    admm.rescale_dual(u, 0.5, 1.0)
+    torch.testing.assert_close(1.0 * u, y)
+
+
+def test_update_dual_in_place():
+    u = torch.zeros(3)
+    out = admm.update_dual(u, torch.tensor([1.0, 2, 3]), torch.tensor([0.5, 0.5, 0.5]))
+    assert out is u and u.tolist() == [0.5, 1.5, 2.5]
+
+
+def test_bucket_layout_packs_by_size_and_keeps_big_tensors_whole():
+    layout = BucketLayout([10, 20, 30, 100, 5], torch.float32, "cpu", bucket_bytes=4 * 40)
+    assert [len(b) for b in layout.buffers] == [30, 30, 100, 5]
+    assert [v.numel() for v in layout.views] == [10, 20, 30, 100, 5]
+    layout.views[1].fill_(7)
+    assert layout.buffers[0][10:30].eq(7).all() and layout.place[3] == (2, 0)
+    assert layout.total_numel == 165

@@ -1,0 +1,150 @@
+"""DistributedOptimizer in one process (a 1×1 cluster): the wrapper's behaviour, state and errors.
+The multi-rank math is checked against the reference in test_engine_launch.py."""
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import prunex_hvd as px
+
+
+@pytest.fixture(autouse=True)
+def single_process(monkeypatch):
+    for var in list(__import__("os").environ):
+        if var.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_")) or var in ("RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(var)
+    px.shutdown()
+    yield
+    px.shutdown()
+
+
+def make(seed=0, **kw):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 6, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4))
+    args = dict(sparsity="channel:0.5", local_steps=3, rho1=0.05, rho2=0.01)
+    args.update(kw)
+    opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, **args)
+    return model, opt
+
+
+def train(model, opt, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def test_wrapped_optimizer_is_still_the_users_class():
+    model, opt = make()
+    assert isinstance(opt, torch.optim.SGD)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(model, opt, 1)
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+def test_rounds_run_every_local_steps_and_stats_have_every_key():
+    model, opt = make()
+    train(model, opt, 9)
+    s = opt.stats()
+    assert s["rounds"] == 3 and s["steps"] == 9
+    for key in ("inter_bytes", "intra_bytes", "dense_inter_bytes", "density", "mask_drift", "frozen",
+                "residuals", "rho", "layer_density"):
+        assert key in s
+    assert set(s["residuals"]["3.weight"]) == {"r_intra", "s_intra", "r_inter", "s_inter"}
+    report = opt.consensus()
+    assert report["round"] == 4 and opt.stats()["rounds"] == 4
+
+
+def test_proximal_gradient_is_added_every_step():
+    model, opt = make()
+    train(model, opt, 3)   # one round: z_i and u are no longer trivial
+    eng = opt._engine
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    eng.add_proximal_grad()
+    for e in eng.entries:
+        torch.testing.assert_close(e.param.grad, e.rho1 * (e.param.detach() - e.z_i + e.u))
+
+
+def test_finalize_gives_exact_structure():
+    model, opt = make()
+    train(model, opt, 6)
+    opt.finalize()
+    w0, w1 = model[0].weight, model[3].weight
+    assert int((w0.abs().sum((0, 2, 3)) != 0).sum()) == 2   # ceil(0.5 * 3) input channels kept
+    assert int((w1.abs().sum((0, 2, 3)) != 0).sum()) == 4   # ceil(0.5 * 8)
+    torch.testing.assert_close(w1.detach(), opt._engine.structured[1].z)   # the model is the consensus z
+
+
+def test_state_dict_resume_is_bit_exact():
+    model_a, opt_a = make()
+    train(model_a, opt_a, 6, seed=5)
+    blob = io.BytesIO()
+    torch.save({"model": model_a.state_dict(), "opt": opt_a.state_dict()}, blob)
+    train(model_a, opt_a, 6, seed=6)
+
+    px.shutdown()
+    model_b, opt_b = make(seed=99)    # different start: everything must come from the checkpoint
+    blob.seek(0)
+    ck = torch.load(blob, weights_only=False)
+    model_b.load_state_dict(ck["model"])
+    opt_b.load_state_dict(ck["opt"])
+    train(model_b, opt_b, 6, seed=6)
+    for (n, a), (_, b) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
+        assert torch.equal(a, b), n
+    ea, eb = opt_a._engine, opt_b._engine
+    for x, y in zip(ea.entries, eb.entries):
+        for key in ("u", "z_i", "v", "z"):
+            assert torch.equal(getattr(x, key), getattr(y, key)), (x.name, key)
+        assert (x.rho1, x.rho2) == (y.rho1, y.rho2)
+    assert opt_a.stats()["rounds"] == opt_b.stats()["rounds"] == 4
+
+
+def test_load_state_dict_without_engine_state_is_refused():
+    model, opt = make()
+    with pytest.raises(ValueError, match="no 'prunex' engine state"):
+        opt.load_state_dict(torch.optim.SGD(model.parameters(), lr=0.1).state_dict())
+
+
+def test_freezing_by_patience_and_by_round():
+    model, opt = make(sparsity="channel:1", freeze_patience=2)   # keep all: the mask never drifts
+    train(model, opt, 6)
+    assert opt.stats()["frozen"] and opt.stats()["mask_drift"] == 0.0
+    model, opt = make(freeze_round=1)
+    train(model, opt, 3)
+    assert opt.stats()["frozen"]
+    layout = opt._engine._compact_layout()
+    train(model, opt, 6)
+    assert opt._engine._compact_layout() is layout   # buffers allocated once after freezing
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"rho1": 0}, "rho1 must be a finite number > 0"),
+    ({"rho2": -1.0}, "rho2 must be a finite number > 0"),
+    ({"local_steps": 0}, "local_steps must be an integer >= 1"),
+    ({"sparsity": "channel:1.5"}, r"keep ratio must be in \(0, 1\]"),
+    ({"sparsity": "columns:0.5"}, "unknown"),
+    ({"sparsity": {"nope.*": "channel:0.5"}}, "nope"),
+    ({"sparsity": {"6.weight": "channel:0.5"}}, "not a conv weight"),
+    ({"freeze_patience": 0}, "freeze_patience must be an integer >= 1"),
+])
+def test_bad_arguments_are_clear_value_errors(kw, message):
+    with pytest.raises(ValueError, match=message):
+        make(**kw)
+
+
+def test_closure_is_refused():
+    model, opt = make()
+    with pytest.raises(ValueError, match="does not take a closure"):
+        opt.step(lambda: 0.0)
+
+
+def test_projection_is_public():
+    w = torch.randn(4, 6, 3, 3)
+    p = px.sparsity.project(w, "filter:0.5")
+    assert int((p.reshape(4, -1).abs().sum(1) != 0).sum()) == 2
