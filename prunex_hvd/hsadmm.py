@@ -15,7 +15,6 @@ Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional

@@ -15,6 +15,12 @@ def assert_every_rank_says(proc, pattern, n=4):
     assert said == set(range(n)), f"ranks that reported /{pattern}/: {sorted(said)}\n{proc.stdout[-4000:]}"
 
 
+def mpmd_override(first: str, second: str) -> list:
+    """Ranks 0-1 and ranks 2-3 launched with different PRUNEX_RANKS_PER_NODE (an MPMD launch)."""
+    return (mpirun(2, python_cmd("comm_worker.py"), [f"PRUNEX_RANKS_PER_NODE={first}"]) + [":"]
+            + ["-np", "2", "-x", f"PRUNEX_RANKS_PER_NODE={second}"] + python_cmd("comm_worker.py"))
+
+
 @needs_horovod
 def test_heterogeneous_hosts_horovodrun():
     proc = run(horovodrun(4, "localhost:3,127.0.0.1:1", python_cmd("comm_worker.py")), timeout=120)
@@ -29,18 +35,13 @@ def test_override_that_does_not_divide():
 
 @needs_mpirun
 def test_ranks_disagree_about_override():
-    # MPMD launch: ranks 0-1 say 2 ranks per node, ranks 2-3 say 1
-    cmd = (mpirun(2, python_cmd("comm_worker.py"), ["PRUNEX_RANKS_PER_NODE=2"]) + [":"]
-           + ["-np", "2", "-x", "PRUNEX_RANKS_PER_NODE=1"] + python_cmd("comm_worker.py"))
-    proc = run(cmd, timeout=120)
+    proc = run(mpmd_override("2", "1"), timeout=120)
     assert_every_rank_says(proc, r"ranks disagree about ranks_per_node .*2 on ranks 0,1; 1 on ranks 2,3")
 
 
 @needs_mpirun
 def test_override_garbage_on_some_ranks():
-    cmd = (mpirun(2, python_cmd("comm_worker.py"), ["PRUNEX_RANKS_PER_NODE=abc"]) + [":"]
-           + ["-np", "2", "-x", "PRUNEX_RANKS_PER_NODE=2"] + python_cmd("comm_worker.py"))
-    proc = run(cmd, timeout=120)
+    proc = run(mpmd_override("abc", "2"), timeout=120)
     assert_every_rank_says(proc, r"ranks_per_node must be a positive integer, got 'abc' \[on rank\(s\) 0,1\]")
 
 

@@ -25,7 +25,7 @@ import threading
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, asdict
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 TIERS = ("intra", "inter", "world")
 

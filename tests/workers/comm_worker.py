@@ -27,7 +27,7 @@ def close(a, b, what):
 def exercise(px, backend, topo, device):
     g = px.comm.groups(backend)
     px.comm.reset()
-    r, node, lr = topo.rank, topo.node, topo.local_rank
+    r, node = topo.rank, topo.node
     local = topo.local_ranks
     f32 = dict(dtype=torch.float32, device=device)
 
