@@ -8,61 +8,69 @@ from launching import horovodrun, mpirun, needs_horovod, needs_mpirun, python_cm
 pytestmark = pytest.mark.launch
 
 
-def assert_every_rank_says(proc, pattern, n=4):
+def assert_every_rank_says(proc, out, pattern, n=4):
+    """Every rank raised the error (each worker writes what it caught to out/error.rank{R}.txt)."""
     assert proc.returncode != 0, proc.stdout[-4000:]
-    said = {int(m.group(1)) for m in re.finditer(r"\[rank (\d+)\] prunex_hvd error: (.*)", proc.stdout)
-            if re.search(pattern, m.group(2))}
-    assert said == set(range(n)), f"ranks that reported /{pattern}/: {sorted(said)}\n{proc.stdout[-4000:]}"
+    said = {}
+    for path in out.glob("error.rank*.txt"):
+        m = re.fullmatch(r"\[rank (\d+)\] prunex_hvd error: (.*)", path.read_text(), re.S)
+        if m and re.search(pattern, m.group(2)):
+            said[int(m.group(1))] = m.group(2)
+    assert set(said) == set(range(n)), f"ranks that reported /{pattern}/: {sorted(said)}\n{proc.stdout[-4000:]}"
 
 
-def mpmd_override(first: str, second: str) -> list:
+def worker(out, *args):
+    return python_cmd("comm_worker.py", "--out", str(out), *args)
+
+
+def mpmd_override(out, first: str, second: str) -> list:
     """Ranks 0-1 and ranks 2-3 launched with different PRUNEX_RANKS_PER_NODE (an MPMD launch)."""
-    return (mpirun(2, python_cmd("comm_worker.py"), [f"PRUNEX_RANKS_PER_NODE={first}"]) + [":"]
-            + ["-np", "2", "-x", f"PRUNEX_RANKS_PER_NODE={second}"] + python_cmd("comm_worker.py"))
+    return (mpirun(2, worker(out), [f"PRUNEX_RANKS_PER_NODE={first}"]) + [":"]
+            + ["-np", "2", "-x", f"PRUNEX_RANKS_PER_NODE={second}"] + worker(out))
 
 
 @needs_horovod
-def test_heterogeneous_hosts_horovodrun():
-    proc = run(horovodrun(4, "localhost:3,127.0.0.1:1", python_cmd("comm_worker.py")), timeout=120)
-    assert_every_rank_says(proc, r"heterogeneous nodes: .*node 0: 3 ranks \(0,1,2\); node 1: 1 rank \(3\)")
+def test_heterogeneous_hosts_horovodrun(tmp_path):
+    proc = run(horovodrun(4, "localhost:3,127.0.0.1:1", worker(tmp_path)), timeout=120)
+    assert_every_rank_says(proc, tmp_path, r"heterogeneous nodes: .*node 0: 3 ranks \(0,1,2\); node 1: 1 rank \(3\)")
 
 
 @needs_mpirun
-def test_override_that_does_not_divide():
-    proc = run(mpirun(4, python_cmd("comm_worker.py"), ["PRUNEX_RANKS_PER_NODE=3"]), timeout=120)
-    assert_every_rank_says(proc, r"ranks_per_node=3 does not divide the world size 4")
+def test_override_that_does_not_divide(tmp_path):
+    proc = run(mpirun(4, worker(tmp_path), ["PRUNEX_RANKS_PER_NODE=3"]), timeout=120)
+    assert_every_rank_says(proc, tmp_path, r"ranks_per_node=3 does not divide the world size 4")
 
 
 @needs_mpirun
-def test_ranks_disagree_about_override():
-    proc = run(mpmd_override("2", "1"), timeout=120)
-    assert_every_rank_says(proc, r"ranks disagree about ranks_per_node .*2 on ranks 0,1; 1 on ranks 2,3")
+def test_ranks_disagree_about_override(tmp_path):
+    proc = run(mpmd_override(tmp_path, "2", "1"), timeout=120)
+    assert_every_rank_says(proc, tmp_path, r"ranks disagree about ranks_per_node .*2 on ranks 0,1; 1 on ranks 2,3")
 
 
 @needs_mpirun
-def test_override_garbage_on_some_ranks():
-    proc = run(mpmd_override("abc", "2"), timeout=120)
-    assert_every_rank_says(proc, r"ranks_per_node must be a positive integer, got 'abc' \[on rank\(s\) 0,1\]")
+def test_override_garbage_on_some_ranks(tmp_path):
+    proc = run(mpmd_override(tmp_path, "abc", "2"), timeout=120)
+    assert_every_rank_says(proc, tmp_path, r"ranks_per_node must be a positive integer, got 'abc' \[on rank\(s\) 0,1\]")
 
 
 @needs_mpirun
-def test_bogus_backend_name():
-    proc = run(mpirun(4, python_cmd("comm_worker.py", "--init-backend", "bogus")), timeout=120)
-    assert_every_rank_says(proc, r"unknown backend 'bogus': choose one of auto, mpi, gloo, nccl, horovod")
+def test_bogus_backend_name(tmp_path):
+    proc = run(mpirun(4, worker(tmp_path, "--init-backend", "bogus")), timeout=120)
+    assert_every_rank_says(proc, tmp_path, r"unknown backend 'bogus': choose one of auto, mpi, gloo, nccl, horovod")
 
 
 @needs_horovod
-def test_mpi_backend_under_horovodrun_gloo():
-    proc = run(horovodrun(4, "localhost:2,127.0.0.1:2", python_cmd("comm_worker.py", "--init-backend", "mpi")),
+def test_mpi_backend_under_horovodrun_gloo(tmp_path):
+    proc = run(horovodrun(4, "localhost:2,127.0.0.1:2", worker(tmp_path, "--init-backend", "mpi")),
                timeout=120)
-    assert_every_rank_says(proc, r"mpi backend needs a launch by mpirun.*horovodrun --gloo.*\[on all ranks\]")
+    assert_every_rank_says(proc, tmp_path, r"mpi backend needs a launch by mpirun.*horovodrun --gloo.*\[on all ranks\]")
 
 
 @needs_mpirun
-def test_nccl_without_cuda():
+def test_nccl_without_cuda(tmp_path):
     import torch
     if torch.cuda.is_available():
         pytest.skip("this host has CUDA")
-    proc = run(mpirun(4, python_cmd("comm_worker.py", "--init-backend", "nccl"), ["PRUNEX_RANKS_PER_NODE=2"]),
+    proc = run(mpirun(4, worker(tmp_path, "--init-backend", "nccl"), ["PRUNEX_RANKS_PER_NODE=2"]),
                timeout=120)
-    assert_every_rank_says(proc, r"nccl backend needs CUDA.*\[on all ranks\]")
+    assert_every_rank_says(proc, tmp_path, r"nccl backend needs CUDA.*\[on all ranks\]")

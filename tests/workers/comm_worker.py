@@ -121,11 +121,15 @@ def main():
         for backend in filter(None, a.backends.split(",")):
             result["backends"][backend] = exercise(px, backend, topo, a.device)
     except Exception as exc:  # noqa: BLE001 - reported to the parent test, with the rank
-        print(f"[rank {env_rank()}] prunex_hvd error: {type(exc).__name__}: {exc}", flush=True)
+        message = f"[rank {env_rank()}] prunex_hvd error: {type(exc).__name__}: {exc}"
+        if a.out:   # a file per rank: launchers may split lines of different ranks into each other
+            with open(os.path.join(a.out, f"error.rank{env_rank()}.txt"), "w") as f:
+                f.write(message)
+        print(message, flush=True)
         traceback.print_exc()
         sys.stdout.flush()
         # the launcher aborts the whole job at the first non-zero exit: give every rank (on a loaded 2-core
-        # CI host) time to reach its own error and print it before this one exits
+        # CI host) time to reach its own error before this one exits
         time.sleep(8)
         sys.exit(3)
     if a.out:
