@@ -95,8 +95,7 @@ class HSADMM:
         self.stable_rounds = 0
         self.mask_drift = 0.0
         self.bytes = {"inter": 0, "intra": 0, "world": 0, "inter_consensus": 0, "dense_inter": 0}
-        self._dense = BucketLayout([e.param.numel() for e in self.entries] + [b.numel() for _, b in self.buffers],
-                                   self.dtype, self.device, self.bucket_bytes)
+        self._dense = self._layout([e.param.numel() for e in self.entries])
         self._compact: Optional[BucketLayout] = None
         self._refresh_prox()
 
@@ -105,7 +104,7 @@ class HSADMM:
         """Rank 0's parameters and float buffers to everyone, leaders first: nothing but the leaders crosses
         nodes (the world group would route through non-leaders)."""
         tensors = [p.detach() for _, p in params] + [b for _, b in self.buffers]
-        layout = BucketLayout([t.numel() for t in tensors], self.dtype, self.device, self.bucket_bytes)
+        layout = self._layout([p.numel() for _, p in params])
         with self.ledger.tagged("broadcast-init"):
             for k, t in enumerate(tensors):
                 layout.views[k].copy_(t.reshape(-1))
@@ -157,15 +156,15 @@ class HSADMM:
         for k, e in enumerate(self.entries):
             node_sum = self._dense.views[k].view_as(e.z)
             z_i_new.append(admm.node_candidate(node_sum, e.z, e.v, e.rho1, e.rho2, P, M, self.weight_decay_z))
-        structured = [k for k, e in enumerate(self.entries) if e.structured]
+        structured_ks = [k for k, e in enumerate(self.entries) if e.structured]
         if not self.frozen:
-            local = [sparsity.structured_masks(z_i_new[k], self.entries[k].spec) for k in structured]
-            for k, (rows, cols) in zip(structured, local):
+            local = [sparsity.structured_masks(z_i_new[k], self.entries[k].spec) for k in structured_ks]
+            for k, (rows, cols) in zip(structured_ks, local):
                 z_i_new[k] = sparsity.apply_masks(z_i_new[k], rows, cols)
             self._sync_masks(local)
         else:
             self.mask_drift = 0.0
-            for k in structured:
+            for k in structured_ks:
                 z_i_new[k] = sparsity.apply_masks(z_i_new[k], self.entries[k].rows, self.entries[k].cols)
 
         # 4. shrink z_i + v_i onto the global support; leaders average across nodes; 5. compact broadcast
@@ -252,10 +251,14 @@ class HSADMM:
         if changed:
             self._compact = None   # the compact shapes changed: new buckets
 
+    def _layout(self, param_numels) -> BucketLayout:
+        """Buckets for one number per parameter, then the float buffers (always dense)."""
+        return BucketLayout(list(param_numels) + [b.numel() for _, b in self.buffers], self.dtype, self.device,
+                            self.bucket_bytes)
+
     def _compact_layout(self) -> BucketLayout:
         if self._compact is None:
-            self._compact = BucketLayout([e.compact_numel() for e in self.entries] + [b.numel() for _, b in self.buffers],
-                                         self.dtype, self.device, self.bucket_bytes)
+            self._compact = self._layout(e.compact_numel() for e in self.entries)
         return self._compact
 
     def _sum_over_job(self, local: torch.Tensor) -> torch.Tensor:
@@ -272,8 +275,8 @@ class HSADMM:
     def _report(self, before, seconds) -> dict:
         after = self.ledger.summary(by_op=False)
         delta = {t: after[t]["payload_bytes"] - before[t]["payload_bytes"] for t in ("intra", "inter", "world")}
-        consensus = self._compact.total_numel * self._compact.buffers[0].element_size() if self.topo.is_leader else 0
-        dense = self._dense.total_numel * self._dense.buffers[0].element_size() if self.topo.is_leader else 0
+        itemsize = self.dtype.itemsize if self.topo.is_leader else 0   # only leaders send across nodes
+        consensus, dense = self._compact.total_numel * itemsize, self._dense.total_numel * itemsize
         for t, b in delta.items():
             self.bytes[t] += b
         self.bytes["inter_consensus"] += consensus
@@ -292,8 +295,12 @@ class HSADMM:
         return {e.name: sparsity.density(e.rows, e.cols) for e in self.structured}
 
     def finalize(self) -> None:
-        """Write the global consensus z into the model (exactly structurally sparse)."""
+        """Write the global consensus z into the model: every rank gets the same, exactly structurally sparse
+        model. If nodes' masks still differed (their OR is larger than asked), z is projected onto the
+        requested structure first, so the model is at the requested density."""
         with torch.no_grad():
+            for e in self.structured:
+                e.z.copy_(sparsity.project(e.z, e.spec))
             for e in self.entries:
                 e.param.copy_(e.z)
 

@@ -66,13 +66,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._last_report
 
     def finalize(self) -> None:
-        """Write the global consensus z into the model: every rank gets the same, exactly structurally
-        sparse model. If nodes' masks still differed (their OR is larger than asked), z is projected onto
-        the requested structure first, so the model is at the requested density."""
-        with torch.no_grad():
-            for e in self._engine.structured:
-                projected = sparsity.project(e.z, e.spec)
-                e.z.copy_(projected)
+        """Write the global consensus z into the model, exactly at the requested structure (see
+        :meth:`HSADMM.finalize`)."""
         self._engine.finalize()
 
     def stats(self) -> dict:

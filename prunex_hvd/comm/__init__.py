@@ -78,9 +78,8 @@ def _build(backend: str, topo, control) -> Groups:
         one = lambda tier: SingleCommunicator(tier, [0], [0], 0)  # noqa: E731
         return Groups(world=one("world"), intra=one("intra"), inter=one("inter"), backend=backend)
     if backend == "auto":
-        import torch
         from .auto import combine, cpu_backend
-        cuda = groups("nccl") if torch.cuda.is_available() and unavailable_reason("nccl", topo.launcher) is None else None
+        cuda = groups("nccl") if unavailable_reason("nccl", topo.launcher) is None else None  # CUDA present
         return combine(groups(cpu_backend(topo.launcher)), cuda)
     if backend == "mpi":
         from .mpi import make_groups

@@ -43,6 +43,6 @@ def cpu_backend(launcher: str) -> str:
 
 def combine(cpu: Groups, cuda: Groups | None) -> Groups:
     def pair(a, b):
-        return None if a is None else AutoCommunicator(a, None if b is None else b)
+        return None if a is None else AutoCommunicator(a, b)
     return Groups(world=pair(cpu.world, cuda and cuda.world), intra=pair(cpu.intra, cuda and cuda.intra),
                   inter=pair(cpu.inter, cuda and cuda.inter), backend="auto")
