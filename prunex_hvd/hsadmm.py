@@ -9,13 +9,15 @@ Every rank of node i holds the same z_i, v_i and z; leaders (local rank 0) alone
  5. the leader broadcasts the compact z to its node; everyone recovers z by zero-fill scatter
  6. v_i += z_i − z,  u += θ − z_i
  7. residuals (r/s intra, r/s inter) per layer; adaptive ρ with dual rescaling
- 8. float buffers (BatchNorm running stats) averaged in the same buckets; masks frozen when stable
+ 8. float buffers (BatchNorm running stats) averaged in the same buckets; masks frozen when stable, at
+    exactly the requested structure (then θ trains on it: the retraining phase)
 
 Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`HSADMM.add_proximal_grad`).
 """
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -60,8 +62,10 @@ class HSADMM:
 
     def __init__(self, model: torch.nn.Module, topo, groups, specs: Dict[str, sparsity.StructureSpec],
                  rho1: float, rho2: float, rho_max: float, adaptive_rho: bool, weight_decay_z: float,
-                 freeze_round: Optional[int], freeze_patience: int, bucket_mb: float, ledger=None):
+                 freeze_round: Optional[int], freeze_patience: int, bucket_mb: float, ledger=None,
+                 masked_retrain: bool = True):
         self.topo, self.groups = topo, groups
+        self.masked_retrain = masked_retrain
         self.rho_max, self.adaptive_rho = rho_max, adaptive_rho
         self.weight_decay_z = weight_decay_z
         self.freeze_round, self.freeze_patience = freeze_round, freeze_patience
@@ -97,6 +101,7 @@ class HSADMM:
         self.bytes = {"inter": 0, "intra": 0, "world": 0, "inter_consensus": 0, "dense_inter": 0}
         self._dense = self._layout([e.param.numel() for e in self.entries])
         self._compact: Optional[BucketLayout] = None
+        self._support: Optional[List[torch.Tensor]] = None   # dense masks of the retraining phase
         self._refresh_prox()
 
     # -- set-up -----------------------------------------------------------------------------------------
@@ -133,6 +138,22 @@ class HSADMM:
             grads = [self.entries[k].param.grad for k in live]
             torch._foreach_add_(grads, [self.entries[k].param.detach() for k in live], alpha=rho1)
             torch._foreach_add_(grads, [self._shift[k] for k in live])
+        if self.frozen and self.masked_retrain and self.structured:
+            torch._foreach_mul_([e.param.grad for e in self.structured if e.param.grad is not None],
+                                [m for e, m in zip(self.structured, self._retrain_support())
+                                 if e.param.grad is not None])
+
+    def after_step(self) -> None:
+        """Retraining phase (PruneX §4.5): once masks are frozen, θ stays on the frozen structure, so training
+        is ordinary data-parallel training of the pruned model (momentum would move pruned entries)."""
+        if self.frozen and self.masked_retrain and self.structured:
+            with torch.no_grad():
+                torch._foreach_mul_([e.param for e in self.structured], self._retrain_support())
+
+    def _retrain_support(self) -> List[torch.Tensor]:
+        if self._support is None:
+            self._support = [sparsity.apply_masks(torch.ones_like(e.z), e.rows, e.cols) for e in self.structured]
+        return self._support
 
     # -- the round ---------------------------------------------------------------------------------------
     def consensus_round(self) -> dict:
@@ -221,8 +242,19 @@ class HSADMM:
             self.stable_rounds = self.stable_rounds + 1 if self.mask_drift == 0 else 0
             if (self.freeze_round is not None and self.round >= self.freeze_round) or \
                     self.stable_rounds >= self.freeze_patience:
-                self.frozen = True
-        return self._report(before, time.perf_counter() - t0)
+                self._freeze()
+        return self._report(before, time.perf_counter() - t0, layout.total_numel)
+
+    def _freeze(self) -> None:
+        """Masks stop moving. The OR of the nodes' masks may keep more than was asked, so the frozen structure
+        is the requested one, cut from the global z (the same on every rank): the retraining phase then trains
+        exactly the model that :meth:`finalize` returns."""
+        for e in self.structured:
+            e.rows, e.cols = sparsity.structured_masks(e.z, e.spec)
+            e.row_idx, e.col_idx = sparsity.masks_to_indices(e.rows, e.cols)
+            e.z = sparsity.apply_masks(e.z, e.rows, e.cols)
+        self._compact = self._support = None
+        self.frozen = True
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _sync_masks(self, local) -> None:
@@ -272,11 +304,18 @@ class HSADMM:
             self.groups.intra.broadcast_(local, root=0)
         return local.cpu()
 
-    def _report(self, before, seconds) -> dict:
+    def _report(self, before, seconds, compact_numel: int) -> dict:
+        """Bytes of the round as the ring model puts them on the wire: ``inter`` = what crossed node
+        boundaries, ``intra`` = what moved inside nodes (a one-member group moves nothing). The consensus
+        and its dense counterfactual are counted the same way, so their ratio is exact."""
         after = self.ledger.summary(by_op=False)
-        delta = {t: after[t]["payload_bytes"] - before[t]["payload_bytes"] for t in ("intra", "inter", "world")}
-        itemsize = self.dtype.itemsize if self.topo.is_leader else 0   # only leaders send across nodes
-        consensus, dense = self._compact.total_numel * itemsize, self._dense.total_numel * itemsize
+        delta = {"inter": after["total"]["cross_node_bytes"] - before["total"]["cross_node_bytes"],
+                 "intra": after["intra"]["wire_bytes"] - before["intra"]["wire_bytes"],
+                 "world": after["world"]["wire_bytes"] - before["world"]["wire_bytes"]}
+        M = self.topo.num_nodes
+        per_element = self.dtype.itemsize * 2 * (M - 1) / M if self.topo.is_leader else 0  # ring allreduce
+        consensus = round(compact_numel * per_element)
+        dense = round(self._dense.total_numel * per_element)
         for t, b in delta.items():
             self.bytes[t] += b
         self.bytes["inter_consensus"] += consensus
@@ -303,6 +342,21 @@ class HSADMM:
                 e.z.copy_(sparsity.project(e.z, e.spec))
             for e in self.entries:
                 e.param.copy_(e.z)
+
+    @contextmanager
+    def consensus_weights(self):
+        """Put the global consensus z into the model's parameters for the duration (to evaluate the pruned
+        model mid-run, identical on every rank); θ is restored after."""
+        saved = [e.param.detach().clone() for e in self.entries]
+        with torch.no_grad():
+            for e in self.entries:
+                e.param.copy_(e.z)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for e, theta in zip(self.entries, saved):
+                    e.param.copy_(theta)
 
     # -- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -335,5 +389,5 @@ class HSADMM:
         self.round, self.frozen = int(sd["round"]), bool(sd["frozen"])
         self.stable_rounds, self.mask_drift = int(sd["stable_rounds"]), float(sd["mask_drift"])
         self.bytes = dict(sd["bytes"])
-        self._compact = None
+        self._compact = self._support = None
         self._refresh_prox()

@@ -19,6 +19,9 @@ Tuning (what each knob does to speed and accuracy):
   traffic shrinks with the kept fraction.
 * ``freeze_round`` / ``freeze_patience`` — masks stop moving after that round, or once the global mask is
   unchanged for that many rounds; then buffers are allocated once and projection is skipped.
+* ``masked_retrain`` — after freezing, keep θ on the frozen structure (gradients and weights masked): the
+  paper's retraining phase, so the model trained from then on is the pruned model itself. Freeze early
+  enough to leave epochs for it (a third to a half of the run works well).
 * ``weight_decay_z`` — λ of the z-step (a ridge on the consensus itself); 0 leaves decay to the optimizer.
 * ``bucket_mb`` — size of the flat buffers packed for each collective (one collective per bucket).
 """
@@ -38,7 +41,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the user's optimizer class (as Horovod does), so schedulers and isinstance checks work."""
 
     def __init__(self, params, model, sparsity_spec, local_steps, rho1, rho2, rho_max, adaptive_rho,
-                 weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend):
+                 weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain):
         super(self.__class__, self).__init__(params)
         topo = runtime.topology() if runtime.is_initialized() else runtime.init(backend=backend)
         specs = sparsity.resolve_specs(model.named_parameters(), sparsity_spec)
@@ -46,7 +49,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._step_count_local = 0
         self._engine = HSADMM(model, topo, comm_groups(backend),
                               specs, rho1, rho2, rho_max, adaptive_rho, weight_decay_z, freeze_round,
-                              freeze_patience, bucket_mb)
+                              freeze_patience, bucket_mb, masked_retrain=masked_retrain)
         self._last_report: Optional[dict] = None
 
     def step(self, closure=None):
@@ -55,6 +58,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              "to the gradients between backward() and step()")
         self._engine.add_proximal_grad()
         loss = super(self.__class__, self).step()
+        self._engine.after_step()
         self._step_count_local += 1
         if self._step_count_local % self._local_steps == 0:
             self.consensus()
@@ -69,6 +73,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Write the global consensus z into the model, exactly at the requested structure (see
         :meth:`HSADMM.finalize`)."""
         self._engine.finalize()
+
+    def consensus_weights(self):
+        """Context manager: the model holds the global consensus z (the pruned model so far) inside it."""
+        return self._engine.consensus_weights()
 
     def stats(self) -> dict:
         eng = self._engine
@@ -100,7 +108,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, sparsity="channel:0.5",
                          local_steps: int = 100, rho1: float = 1.5e-3, rho2: float = 1.5e-4, rho_max: float = 10.0,
                          adaptive_rho: bool = True, weight_decay_z: float = 0.0, freeze_round: Optional[int] = None,
-                         freeze_patience: int = 3, bucket_mb: float = 32, backend: str = "auto"):
+                         freeze_patience: int = 3, bucket_mb: float = 32, backend: str = "auto",
+                         masked_retrain: bool = True):
     """Wrap ``optimizer`` (over ``model``'s parameters) to train with H-SADMM; see the module docstring for
     the knobs. Collective: every rank constructs it, and rank 0's parameters and float buffers are broadcast
     to all. Returns an instance of the optimizer's own class with ``consensus()``, ``finalize()``,
@@ -126,7 +135,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         raise ValueError(f"the optimizer holds parameters that are not the model's (param groups {sorted(set(stray))})")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, model, sparsity, local_steps, rho1, rho2, rho_max, adaptive_rho,
-                  weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend)
+                  weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain)
     inner_state = optimizer.state_dict()
     if inner_state["state"]:
         super(cls, wrapped).load_state_dict(inner_state)

@@ -17,14 +17,15 @@ def _adapt(rho, primal, dual, rho_max):
     return min(rho, rho_max)
 
 
-def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True):
+def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, freezes=False):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
-    frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers."""
+    frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers.
+    ``freezes``: the masks freeze at the end of this round, cut to the requested structure from z."""
     M, P = len(node_ranks), len(node_ranks[0])
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
     frozen = states[0]["frozen"]
     out = {"u": [{} for _ in states], "z_i": [{} for _ in range(M)], "v": [{} for _ in range(M)], "z": {},
-           "rho1": {}, "rho2": {}, "masks": {}, "buffers": {}, "residuals": {}}
+           "rho1": {}, "rho2": {}, "masks": {}, "sent_masks": {}, "buffers": {}, "residuals": {}}
     d = lambda t: t.double()  # noqa: E731
     for name in states[0]["theta"]:
         rho1, rho2 = states[0]["rho1"][name], states[0]["rho2"][name]
@@ -43,7 +44,7 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
         if name in specs:
             rows = torch.stack([m[0] for m in node_masks]).any(0)
             cols = torch.stack([m[1] for m in node_masks]).any(0)
-            out["masks"][name] = (rows, cols)
+            out["masks"][name] = out["sent_masks"][name] = (rows, cols)
             support = torch.outer(rows, cols).reshape(z_old.shape).double()
         v = [d(states[ranks[0]]["v"][name]) for ranks in node_ranks]
         z = torch.stack([z_i[i] + v[i] for i in range(M)]).mean(0) * support
@@ -61,6 +62,10 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
         for r, s in enumerate(states):
             out["u"][r][name] = ((d(s["u"][name]) + d(s["theta"][name]) - z_i[node_of[r]]) * (rho1 / new1)).float()
         out["z"][name] = z.float()
+        if freezes and name in specs:
+            rows, cols = structured_masks(z.float(), specs[name])
+            out["masks"][name] = (rows, cols)
+            out["z"][name] = out["z"][name] * torch.outer(rows, cols).reshape(z.shape)
         out["rho1"][name], out["rho2"][name] = new1, new2
         out["residuals"][name] = (r_intra, s_intra, r_inter, s_inter)
     for name in states[0]["buffers"]:

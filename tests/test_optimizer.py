@@ -148,3 +148,36 @@ def test_projection_is_public():
     w = torch.randn(4, 6, 3, 3)
     p = px.sparsity.project(w, "filter:0.5")
     assert int((p.reshape(4, -1).abs().sum(1) != 0).sum()) == 2
+
+
+def test_retraining_phase_keeps_theta_on_the_frozen_structure():
+    model, opt = make(freeze_round=1)
+    train(model, opt, 3)                      # round 1 freezes the masks at exactly channel keep 0.5
+    eng = opt._engine
+    for e in eng.structured:   # exactly the requested structure, even if the OR of nodes kept more
+        c_in = e.param.shape[1]
+        assert int(e.rows.sum()) == e.param.shape[0] and int(e.cols.sum()) == -(-c_in // 2) * 9, e.name
+    train(model, opt, 5)                      # momentum alone would move pruned weights; they stay 0
+    for e in eng.structured:
+        outside = ~(e.rows[:, None] & e.cols[None, :]).reshape(e.param.shape)
+        assert torch.count_nonzero(e.param.detach()[outside]) == 0, e.name
+        assert e.param.detach()[~outside].abs().sum() > 0
+    with opt.consensus_weights():             # the pruned model is what is being trained
+        z = [e.param.detach().clone() for e in eng.entries]
+    assert all(torch.equal(a, e.z) for a, e in zip(z, eng.entries))
+    assert not torch.equal(z[0], eng.entries[0].param.detach())   # θ is back after the context
+
+
+def test_without_masked_retraining_theta_is_free():
+    model, opt = make(freeze_round=1, masked_retrain=False)
+    train(model, opt, 8)
+    e = opt._engine.structured[1]
+    outside = ~(e.rows[:, None] & e.cols[None, :]).reshape(e.param.shape)
+    assert torch.count_nonzero(e.param.detach()[outside]) > 0
+
+
+def test_one_process_sends_nothing_across_nodes():
+    model, opt = make()
+    train(model, opt, 6)
+    s = opt.stats()
+    assert s["rounds"] == 2 and s["inter_bytes"] == s["dense_inter_bytes"] == s["inter_consensus_bytes"] == 0

@@ -88,7 +88,8 @@ def main():
         if topo.rank == 0:
             eng = opt._engine
             want = reference_round(before, topo.node_ranks, {e.name: e.spec for e in eng.structured},
-                                   weight_decay_z=0.01, rho_max=eng.rho_max, adaptive=eng.adaptive_rho)
+                                   weight_decay_z=0.01, rho_max=eng.rho_max, adaptive=eng.adaptive_rho,
+                                   freezes=after[0]["frozen"] and not before[0]["frozen"])
             for r, got in enumerate(after):
                 node = topo.node_of(r)
                 for name in got["theta"]:
@@ -104,7 +105,7 @@ def main():
                     compare(f"round {rnd} rank {r} buffer {name}", got["buffers"][name], want["buffers"][name])
                 checks += 1
             ref_rounds.append({"frozen_before": before[0]["frozen"],
-                               "compact": {n: [int(r.sum()), int(c.sum())] for n, (r, c) in want["masks"].items()}})
+                               "compact": {n: [int(r.sum()), int(c.sum())] for n, (r, c) in want["sent_masks"].items()}})
     opt.finalize()
     final = control.allgather_object({k: v.cpu().clone() for k, v in model.state_dict().items()})
     for k in final[0]:
