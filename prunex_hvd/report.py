@@ -1,0 +1,629 @@
+"""``prunex-hvd report RUN [RUN ...]``: training runs → PNG figures and a markdown table.
+
+    prunex-hvd report runs/A runs/B [--out DIR] [--mask-layers N]
+
+A run is a directory written by the trainer: ``metrics.jsonl`` (``"event": "round"`` lines, then one
+``"event": "final"``), ``summary.json`` (missing when the run was interrupted; the run is then shown as
+"(incomplete)" and its numbers come from the last metrics line) and, optionally, ``final_model.pt``.
+
+Written to ``DIR`` (default ``<parent of the first run>/report``), each only when some run has the data:
+
+* ``accuracy_vs_time.png``         test accuracy vs cumulative training wall time
+* ``accuracy_vs_inter_bytes.png``  test accuracy vs cumulative inter-node MB (and a dense exchange's MB)
+* ``residuals.png``                per-layer primal residuals r_intra / r_inter over rounds
+* ``density_per_layer.png``        final density of each conv layer
+* ``masks_<run>.png``              |W| of some pruned conv layers in the GEMM view, pruned entries white
+* ``communication.png``            final inter-node MB vs the dense-equivalent MB
+* ``report.md``                    one table row per run, then links to the figures
+
+MB here is 2^20 bytes, as in the trainer's and ``prunex-hvd info``'s output. Figures share one colour per
+run; labels are the run folder names.
+
+    from prunex_hvd.report import make_report
+    out = make_report(["runs/A", "runs/B"])     # {"out_dir", "figures": {key: path}, "table": path}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+MB = 2**20   # the unit the trainer prints, so the table and the training log agree
+DPI = 120
+RESIDUALS = (("r_intra", "intra-node primal residual"), ("r_inter", "inter-node primal residual"))
+_LEGEND_MAX_LAYERS = 8
+_CONFIG_KEYS = ("method", "model", "dataset", "sparsity")   # what config.json may supply for a torn run
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+def load_run(path) -> dict:
+    """Read one run directory.
+
+    Returns ``{"name", "dir", "metrics": [round dicts], "final": dict|None, "summary": dict|None,
+    "complete": bool, "config": dict|None}``; ``complete`` is whether ``summary.json`` was written;
+    ``config`` is the trainer's ``config.json`` ``"config"`` (setup of a run that never wrote a summary).
+    Raises ValueError when ``path`` is not a directory holding ``metrics.jsonl`` or that has no round records.
+    """
+    d = Path(path)
+    if not d.is_dir():
+        raise ValueError(f"{path}: not a directory; expected a run directory containing metrics.jsonl")
+    mfile = d / "metrics.jsonl"
+    if not mfile.is_file():
+        raise ValueError(f"{path}: no metrics.jsonl; expected a run directory written by the trainer")
+    lines = [(i, ln) for i, ln in enumerate(mfile.read_text().splitlines(), 1) if ln.strip()]
+    metrics, final = [], None
+    for pos, (lineno, line) in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if pos == len(lines) - 1:   # a run killed mid-write leaves half a last line: keep the rest
+                continue
+            raise ValueError(f"{mfile}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{mfile}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+        event = rec.get("event", "round")
+        if event == "final":
+            final = rec
+        elif event == "round":
+            metrics.append(rec)
+    if not metrics:
+        raise ValueError(f"{mfile}: no round records (lines with \"event\": \"round\"); is the run empty?")
+    summary = None
+    sfile = d / "summary.json"
+    if sfile.is_file():
+        try:
+            summary = json.loads(sfile.read_text())
+        except json.JSONDecodeError:
+            summary = None          # a torn summary is as good as none: fall back to the metrics
+        if not isinstance(summary, dict):
+            summary = None
+    config = None
+    cfile = d / "config.json"   # the trainer writes it at start: an interrupted run's setup is still known
+    if cfile.is_file():
+        try:
+            config = json.loads(cfile.read_text()).get("config")
+        except (json.JSONDecodeError, AttributeError):
+            config = None
+    return {"name": d.resolve().name, "dir": str(d), "metrics": metrics, "final": final,
+            "summary": summary, "complete": summary is not None,
+            "config": config if isinstance(config, dict) else None}
+
+
+def _get(run: dict, key: str, default=None):
+    """A run-level value: summary.json, else the final record, else the last round that has it."""
+    for src in (run.get("summary"), run.get("final")):
+        if src and src.get(key) is not None:
+            return src[key]
+    for rec in reversed(run["metrics"]):
+        if rec.get(key) is not None:
+            return rec[key]
+    if key in _CONFIG_KEYS and run.get("config") and run["config"].get(key) is not None:
+        return run["config"][key]
+    return default
+
+
+def _final_acc(run: dict) -> Optional[float]:
+    """The finalized model's test accuracy, else the last evaluated round's."""
+    for src in (run.get("summary"), run.get("final")):
+        for key in ("final_test_acc", "test_acc"):
+            if src and _num(src.get(key)):
+                return float(src[key])
+    for rec in reversed(run["metrics"]):
+        if _num(rec.get("test_acc")):
+            return float(rec["test_acc"])
+    return None
+
+
+def _final_point(run: dict, xkey: str):
+    """(x, accuracy) of the finalized model when the run recorded one (summary.json or the final record)."""
+    for src, acc in ((run.get("summary"), "final_test_acc"), (run.get("final"), "final_test_acc"),
+                     (run.get("final"), "test_acc")):
+        if src and _num(src.get(acc)) and _num(src.get(xkey)):
+            return float(src[xkey]), float(src[acc])
+    return None
+
+
+def _short(layer: str) -> str:
+    return layer[:-len(".weight")] if layer.endswith(".weight") else layer
+
+
+def _label(run: dict) -> str:
+    return run["name"] + ("" if run["complete"] else " (incomplete)")
+
+
+def _series(run: dict, xkey: str, ykey: str):
+    """(x, y) over the round records where both are numbers."""
+    xs, ys = [], []
+    for rec in run["metrics"]:
+        x, y = rec.get(xkey), rec.get(ykey)
+        if _num(x) and _num(y):
+            xs.append(float(x))
+            ys.append(float(y))
+    return xs, ys
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _single_keep(sparsity):
+    """``("channel", 0.5)`` when ``sparsity`` is one ``kind:K`` spec, else None."""
+    if not isinstance(sparsity, str):
+        return None
+    from .sparsity import parse_spec
+    try:
+        spec = parse_spec(sparsity)
+    except (ValueError, TypeError):
+        return None
+    return spec.parts[0] if len(spec.parts) == 1 else None
+
+
+def _unique_names(runs):
+    """Two runs from different parents may share a folder name; tell them apart by their parent."""
+    seen = {}
+    for r in runs:
+        seen.setdefault(r["name"], []).append(r)
+    for name, group in seen.items():
+        if len(group) > 1:
+            for r in group:
+                r["name"] = f"{Path(r['dir']).resolve().parent.name}/{name}"
+
+
+# ------------------------------------------------------------------------------------------------ table
+
+def _fmt(v, spec: str) -> str:
+    return format(v, spec) if _num(v) else "—"
+
+
+def _cell(v) -> str:
+    return "—" if v is None or v == "" else str(v).replace("|", "\\|")
+
+
+def markdown_table(runs: list) -> str:
+    """One markdown row per loaded run (see :func:`load_run`): setup, accuracy, density and traffic."""
+    head = ["run", "method", "model", "dataset", "sparsity", "ranks", "final test acc %", "density",
+            "inter-node MB", "dense-equivalent MB", "ratio", "wall s"]
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 5 + ["---:"] * 7) + "|"]
+    for r in runs:
+        nodes, rpn, world = _get(r, "num_nodes"), _get(r, "ranks_per_node"), _get(r, "world_size")
+        ranks = f"{nodes}×{rpn}" if nodes is not None and rpn is not None else _cell(world)
+        acc = _final_acc(r)
+        inter, dense = _get(r, "inter_bytes"), _get(r, "dense_inter_bytes")
+        ratio = inter / dense if _num(inter) and _num(dense) and dense > 0 else None
+        row = [_label(r), _cell(_get(r, "method")), _cell(_get(r, "model")), _cell(_get(r, "dataset")),
+               _cell(_get(r, "sparsity")), ranks, _fmt(acc * 100 if acc is not None else None, ".2f"),
+               _fmt(_get(r, "density"), ".3f"),
+               _fmt(inter / MB if _num(inter) else None, ".2f"),
+               _fmt(dense / MB if _num(dense) else None, ".2f"),
+               _fmt(ratio, ".3f"), _fmt(_get(r, "wall_s"), ".1f")]
+        out.append("| " + " | ".join(row) + " |")
+    return "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ figures
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")   # files only; never needs a display
+    import matplotlib.pyplot as plt
+    return plt
+
+
+_STYLE = {"axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False,
+          "axes.titlesize": 11, "axes.labelsize": 10, "legend.fontsize": 8, "legend.framealpha": 0.85,
+          "figure.dpi": DPI, "savefig.dpi": DPI}
+
+
+def _colours(n: int):
+    plt = _pyplot()
+    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+def _save(fig, path: Path, tight: bool = True) -> str:
+    plt = _pyplot()
+    if tight:
+        fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return str(path)
+
+
+def _fig_accuracy_time(runs, colours, path):
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    drawn = False
+    for r, c in zip(runs, colours):
+        xs, ys = _series(r, "wall_s", "test_acc")
+        if not xs:
+            continue
+        drawn = True
+        ax.plot(xs, [y * 100 for y in ys], "-o", color=c, ms=4, lw=1.6, label=_label(r))
+    if not drawn:
+        plt.close(fig)
+        return None
+    _final_marks(ax, runs, colours, "wall_s", 1.0)
+    ax.set(title="Test accuracy vs training time", xlabel="Wall time (s)", ylabel="Test accuracy (%)")
+    ax.set_xlim(left=0)
+    _legend(ax)
+    return _save(fig, path)
+
+
+def _final_marks(ax, runs, colours, xkey, xscale, logx=False):
+    """A star per run at the finalized model's accuracy: after the last projection it can differ from the
+    last round's."""
+    drawn = False
+    for r, c in zip(runs, colours):
+        pt = _final_point(r, xkey)
+        if pt and (pt[0] > 0 or not logx):
+            ax.plot(pt[0] / xscale, pt[1] * 100, "*", color=c, ms=13, mec="black", mew=0.6, zorder=5)
+            drawn = True
+    if drawn:   # one neutral legend entry for all the stars
+        ax.plot([], [], "*", color="0.6", ms=11, mec="black", mew=0.6, label="final model (after finalize)")
+
+
+def _legend(ax):
+    """Inside when short; beside the axes when it would hide the curves."""
+    n = len(ax.get_legend_handles_labels()[0])
+    if n > 4:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    else:
+        ax.legend(loc="best")
+
+
+def _fig_accuracy_bytes(runs, colours, path):
+    plt = _pyplot()
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    curves = []   # (run, colour, sent MB, acc %, dense MB or None)
+    for r, c in zip(runs, colours):
+        xs, ys = _series(r, "inter_bytes", "test_acc")
+        if not xs:
+            continue
+        dx, dy = _series(r, "dense_inter_bytes", "test_acc")
+        # a dense run's "dense exchange" curve is its own curve: drawing it twice only clutters the legend
+        same = len(dx) == len(xs) and all(abs(a - b) <= 0.005 * max(abs(b), 1) for a, b in zip(xs, dx))
+        curves.append((r, c, [x / MB for x in xs], [y * 100 for y in ys],
+                       None if (not dx or same) else ([x / MB for x in dx], [y * 100 for y in dy])))
+    if not curves:
+        return None
+    pos = [x for _, _, xs, _, d in curves for x in xs + (d[0] if d else []) if x > 0]
+    logx = bool(pos) and max(pos) > 10 * min(pos)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r, c, xs, ys, dense in curves:
+        if logx:    # round 0 sent nothing: no place for it on a log axis
+            xs, ys = zip(*[(x, y) for x, y in zip(xs, ys) if x > 0]) if any(x > 0 for x in xs) else ([], [])
+        ax.plot(xs, ys, "-o", color=c, ms=4, lw=1.6, label=_label(r))
+        if dense:
+            dxs, dys = dense
+            if logx:
+                pts = [(x, y) for x, y in zip(dxs, dys) if x > 0]
+                dxs, dys = zip(*pts) if pts else ([], [])
+            ax.plot(dxs, dys, "--", color=c, lw=1.2, alpha=0.45, label=f"{_label(r)} (dense exchange)")
+    _final_marks(ax, runs, colours, "inter_bytes", MB, logx)
+    if logx:
+        ax.set_xscale("log")
+        # 1-2-5 ticks written plainly (0.2, 1, 50), rather than 10^k majors and crowded minor labels
+        subs = (1.0, 2.0, 5.0) if max(pos) < 300 * min(pos) else (1.0,)   # wide ranges: decades only
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set(title="Test accuracy vs inter-node traffic", xlabel="Cumulative inter-node traffic (MB"
+           + (", log scale)" if logx else ")"), ylabel="Test accuracy (%)")
+    _legend(ax)
+    return _save(fig, path)
+
+
+def _layer_order(dicts):
+    """Layer names in first-seen order (the model's order, as JSON objects keep key order)."""
+    names = {}
+    for d in dicts:
+        for k in d or {}:
+            names.setdefault(k, None)
+    return list(names)
+
+
+def _fig_residuals(runs, path):
+    plt = _pyplot()
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.ticker import MaxNLocator
+    have = [r for r in runs if any(isinstance(m.get("residuals"), dict) and m["residuals"] for m in r["metrics"])]
+    if not have:
+        return None
+    fig, axes = plt.subplots(len(have), 2, figsize=(12, 3.3 * len(have) + 0.4), squeeze=False,
+                             layout="constrained")
+    cmap = plt.get_cmap("viridis")
+    for row, r in zip(axes, have):
+        recs = [m for m in r["metrics"] if isinstance(m.get("residuals"), dict)]
+        layers = _layer_order(m["residuals"] for m in recs)
+        convs = set(_layer_density(r) or ())
+        if convs & set(layers):   # the engine also reports BN and FC tensors; the figure is about the conv layers
+            layers = [n for n in layers if n in convs]
+        shade = [cmap(i / max(len(layers) - 1, 1)) for i in range(len(layers))]
+        for ax, (key, what) in zip(row, RESIDUALS):
+            drawn = False
+            seen = False
+            for li, layer in enumerate(layers):
+                xs, ys = [], []
+                for m in recs:
+                    v = (m["residuals"].get(layer) or {}).get(key)
+                    seen = seen or _num(v)
+                    if _num(v) and v > 0 and _num(m.get("round")):
+                        xs.append(m["round"])
+                        ys.append(v)
+                if xs:
+                    drawn = True
+                    ax.plot(xs, ys, color=shade[li], lw=1.3, marker="." if len(xs) < 30 else None,
+                            label=_short(layer))
+            ax.set_title(f"{_label(r)}: {what} ({key})")
+            ax.set_xlabel("Consensus round")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_ylabel(f"{key} (L2 norm, log scale)")
+            if not drawn:
+                ax.text(0.5, 0.5, f"{key} = 0 in every round" if seen else f"no {key} recorded",
+                        ha="center", va="center", transform=ax.transAxes, color="0.4")
+                ax.set_xticks([])
+                ax.set_yticks([])
+                continue
+            ax.set_yscale("log")
+            if len(layers) <= _LEGEND_MAX_LAYERS:
+                ax.legend(fontsize=7, ncol=2 if len(layers) > 4 else 1)
+        if len(layers) > _LEGEND_MAX_LAYERS:   # too many for a legend: one depth colour bar for the row
+            cb = fig.colorbar(ScalarMappable(Normalize(1, len(layers)), cmap), ax=list(row), pad=0.015,
+                              fraction=0.03)
+            cb.ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
+            cb.set_label(f"conv layer # (1 = {_short(layers[0])}, {len(layers)} = {_short(layers[-1])})",
+                         fontsize=7)
+    return _save(fig, path, tight=False)   # constrained layout already made room for the colour bars
+
+
+def _layer_density(run):
+    for src in (run.get("summary"), run.get("final")):
+        if src and isinstance(src.get("layer_density"), dict) and src["layer_density"]:
+            return src["layer_density"]
+    for rec in reversed(run["metrics"]):
+        if isinstance(rec.get("layer_density"), dict) and rec["layer_density"]:
+            return rec["layer_density"]
+    return None
+
+
+def _fig_density(runs, colours, path):
+    plt = _pyplot()
+    have = [(r, c, _layer_density(r)) for r, c in zip(runs, colours)]
+    have = [(r, c, ld) for r, c, ld in have if ld]
+    if not have:
+        return None
+    layers = _layer_order(ld for _, _, ld in have)
+    n, k = len(layers), len(have)
+    width = 0.8 / k
+    fig, ax = plt.subplots(figsize=(min(max(7, 0.3 * n * max(1, k / 2) + 2), 28), 4.8))
+    for j, (r, c, ld) in enumerate(have):
+        xs = [i + (j - (k - 1) / 2) * width for i, name in enumerate(layers) if _num(ld.get(name))]
+        ys = [ld[name] for name in layers if _num(ld.get(name))]
+        ax.bar(xs, ys, width=width, color=c, label=_label(r), edgecolor="white", linewidth=0.4)
+    keeps = {}   # (kind, K) -> runs asking for it
+    for r, c, _ in have:
+        kk = _single_keep(_get(r, "sparsity"))
+        if kk:
+            keeps.setdefault(kk, []).append(c)
+    for (kind, keep), cs in keeps.items():
+        colour = cs[0] if len(cs) == 1 and k > 1 else "0.3"
+        ax.axhline(keep, ls="--", lw=1.1, color=colour, label=f"requested keep {keep:g} ({kind})")
+    ax.set_xticks(range(n))
+    ax.set_xticklabels([_short(n) for n in layers], rotation=60 if n > 3 else 0, ha="right" if n > 3 else "center",
+                       fontsize=8 if n <= 20 else 6)
+    ax.set_ylim(0, 1.08)
+    ax.set_xlim(-0.6, n - 0.4)
+    ax.set(title="Final density per conv layer", xlabel="Conv layer",
+           ylabel="Density (fraction of weights kept)")
+    ax.grid(axis="x", visible=False)
+    ax.legend(loc="upper right", fontsize=8)
+    return _save(fig, path)
+
+
+def _structured_layers(state_dict) -> list:
+    """(name, GEMM view |W|, zero-row mask, zero-col mask) of the 4-D weights with a pruned row or column."""
+    import torch
+    out = []
+    for name, t in state_dict.items():
+        if not (isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()):
+            continue
+        g = t.detach().float().reshape(t.shape[0], -1).abs()
+        zero_rows = (g == 0).all(dim=1)
+        zero_cols = (g == 0).all(dim=0)
+        if zero_rows.any() or zero_cols.any():
+            out.append((name, g, zero_rows, zero_cols))
+    return out
+
+
+def _spread(items: list, k: int) -> list:
+    """Up to ``k`` items evenly spaced from first to last, so shallow and deep layers both show."""
+    if len(items) <= k:
+        return items
+    if k <= 1:
+        return items[:max(k, 0)]
+    idx = sorted({round(i * (len(items) - 1) / (k - 1)) for i in range(k)})
+    return [items[i] for i in idx]
+
+
+def _fig_masks(run, path, max_layers):
+    f = Path(run["dir"]) / "final_model.pt"
+    if max_layers < 1 or not f.is_file():
+        return None
+    import numpy as np
+    import torch
+    try:
+        blob = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as exc:   # a torn or foreign checkpoint should not cost the other figures
+        warnings.warn(f"{f}: cannot load ({exc}); skipping its mask figure")
+        return None
+    sd = blob.get("state_dict", blob) if isinstance(blob, dict) else {}
+    layers = _spread(_structured_layers(sd), max_layers)
+    if not layers:
+        return None
+    plt = _pyplot()
+    ncols = min(2, len(layers))
+    nrows = math.ceil(len(layers) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 3.9 * nrows + 0.5), squeeze=False)
+    # exact zeros (the pruned groups) are masked and drawn white, apart from even the smallest kept weight
+    cmap = plt.get_cmap("magma").with_extremes(bad="white")
+    for ax, (name, g, zr, zc) in zip(axes.flat, layers):
+        a = g.numpy()
+        nz = a[a > 0]
+        scale = float(np.median(nz)) if nz.size else 1.0   # contrast relative to a typical kept weight
+        img = np.ma.masked_where(a == 0, np.log1p(a / scale))
+        # a big layer has more rows than pixels: blend in RGBA so white (pruned) rows are not just dropped
+        im = ax.imshow(img, cmap=cmap, aspect="auto", interpolation="antialiased", interpolation_stage="rgba")
+        rows_kept, cols_kept = int((~zr).sum()), int((~zc).sum())
+        ax.set_title(f"{name}  ({a.shape[0]}×{a.shape[1]})\nrows kept {rows_kept}/{a.shape[0]} "
+                     f"({rows_kept / a.shape[0]:.0%}), cols kept {cols_kept}/{a.shape[1]} "
+                     f"({cols_kept / a.shape[1]:.0%})", fontsize=9)
+        ax.set_xlabel("GEMM column (C_in·KH·KW)")
+        ax.set_ylabel("Output filter (row)")
+        ax.grid(False)
+        for side in ax.spines.values():   # a frame, so pruned edge rows do not melt into the page
+            side.set_visible(True)
+            side.set_color("0.6")
+        cb = fig.colorbar(im, ax=ax, pad=0.01)
+        cb.set_label("log(1 + |W| / median |W|)", fontsize=8)
+    for ax in list(axes.flat)[len(layers):]:
+        ax.set_visible(False)
+    spars = blob.get("sparsity") if isinstance(blob, dict) else None
+    fig.suptitle(f"{_label(run)}: final conv weights, GEMM view (white = pruned)"
+                 + (f", sparsity {spars}" if spars else ""), fontsize=11)
+    return _save(fig, path)
+
+
+def _fig_communication(runs, colours, path):
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+    have = []
+    for r, c in zip(runs, colours):
+        inter, dense = _get(r, "inter_bytes"), _get(r, "dense_inter_bytes")
+        if _num(inter):
+            have.append((r, c, inter / MB, dense / MB if _num(dense) else None))
+    if not have:
+        return None
+    fig, ax = plt.subplots(figsize=(max(5.5, 1.6 * len(have) + 2.5), 4.5))
+    w = 0.38
+    pos = [v for _, _, s, d in have for v in (s, d) if v is not None and v > 0] or [1.0]
+    top, low = max(pos), min(pos)
+    logy = top > 30 * low   # a small run next to a big one would be an invisible sliver on a linear axis
+    for i, (r, c, sent, dense) in enumerate(have):
+        ax.bar(i - w / 2, sent, w, color=c, edgecolor=c)
+        if dense is not None:
+            ax.bar(i + w / 2, dense, w, color=c, alpha=0.3, edgecolor=c, hatch="//")
+            if dense > 0:
+                y = max(sent, low) * 1.08 if logy else sent + 0.015 * top
+                ax.text(i - w / 2, y, f"{sent / dense:.3f}×", ha="center", va="bottom", fontsize=9,
+                        fontweight="bold")
+    ax.set_xticks(range(len(have)))
+    ax.set_xticklabels([_label(r) for r, *_ in have], rotation=20 if len(have) > 3 else 0,
+                       ha="right" if len(have) > 3 else "center")
+    if logy:
+        ax.set_yscale("log")
+        ax.set_ylim(low / 2, top * 6)
+    else:
+        ax.set_ylim(0, top * 1.28)   # headroom for the ratios and the legend
+    ax.set(title="Inter-node traffic: sent vs a dense exchange",
+           ylabel="Inter-node traffic (MB" + (", log scale)" if logy else ")"))
+    ax.grid(axis="x", visible=False)
+    ax.legend(handles=[Patch(facecolor="0.35", label="sent (ratio to dense on top)"),
+                       Patch(facecolor="0.35", alpha=0.3, hatch="//", edgecolor="0.35",
+                             label="dense-equivalent")], loc="upper left", ncol=2)
+    return _save(fig, path)
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def _file_safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "run"
+
+
+def make_report(run_dirs: list, out_dir: Optional[str] = None, max_mask_layers: int = 4) -> dict:
+    """Load ``run_dirs``, write the figures that some run has data for and ``report.md`` into ``out_dir``.
+
+    Returns ``{"out_dir", "figures": {key: path}, "table": path}``; ``figures`` lists only what was written
+    (keys: the file stems, e.g. ``"accuracy_vs_time"``, ``"masks_<run>"``). Raises ValueError for a path
+    that is not a run directory (see :func:`load_run`).
+    """
+    if isinstance(run_dirs, (str, Path)):   # one run passed bare: not a list of its characters
+        run_dirs = [run_dirs]
+    if not run_dirs:
+        raise ValueError("no run directories given")
+    runs = [load_run(p) for p in run_dirs]
+    _unique_names(runs)
+    out = Path(out_dir) if out_dir is not None else Path(run_dirs[0]).resolve().parent / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    plt = _pyplot()
+    colours = _colours(len(runs))
+    figures = {}
+    with plt.rc_context(_STYLE):
+        for key, draw in (("accuracy_vs_time", lambda p: _fig_accuracy_time(runs, colours, p)),
+                          ("accuracy_vs_inter_bytes", lambda p: _fig_accuracy_bytes(runs, colours, p)),
+                          ("residuals", lambda p: _fig_residuals(runs, p)),
+                          ("density_per_layer", lambda p: _fig_density(runs, colours, p)),
+                          ("communication", lambda p: _fig_communication(runs, colours, p))):
+            written = draw(out / f"{key}.png")
+            if written:
+                figures[key] = written
+        for r in runs:
+            key = f"masks_{_file_safe(r['name'])}"
+            written = _fig_masks(r, out / f"{key}.png", max_mask_layers)
+            if written:
+                figures[key] = written
+    md = ["# Training report", "", markdown_table(runs)]
+    titles = {"accuracy_vs_time": "Test accuracy vs wall time",
+              "accuracy_vs_inter_bytes": "Test accuracy vs inter-node traffic",
+              "residuals": "Per-layer primal residuals", "density_per_layer": "Final density per layer",
+              "communication": "Inter-node traffic vs dense exchange"}
+    for key, p in figures.items():
+        title = titles.get(key) or f"Pruned weights: {key[len('masks_'):]}"
+        md += [f"## {title}", "", f"![{title}]({Path(p).name})", ""]
+    table = out / "report.md"
+    table.write_text("\n".join(md))
+    return {"out_dir": str(out), "figures": figures, "table": str(table)}
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``report`` arguments, for a stand-alone parser or a ``prunex-hvd`` sub-command."""
+    ap.add_argument("runs", nargs="+", metavar="RUN", help="run directories (each with metrics.jsonl)")
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="where to write the figures and report.md (default: <parent of the first run>/report)")
+    ap.add_argument("--mask-layers", type=int, default=4, metavar="N",
+                    help="conv layers to draw per run in masks_<run>.png (default 4)")
+    return ap
+
+
+def run_args(args) -> int:
+    """Make the report for parsed arguments; prints the written paths."""
+    res = make_report(args.runs, out_dir=args.out, max_mask_layers=args.mask_layers)
+    for p in res["figures"].values():
+        print(p)
+    print(res["table"])
+    return 0
+
+
+def main(argv=None) -> int:
+    """``prunex-hvd report RUN [RUN ...] [--out DIR] [--mask-layers N]`` (argv without the word "report").
+
+    Returns 0, or 2 with the error on stderr when a run directory is unusable.
+    """
+    ap = add_arguments(argparse.ArgumentParser(prog="prunex-hvd report",
+                                               description="Training runs → PNG figures and a markdown table."))
+    args = ap.parse_args(argv)
+    try:
+        return run_args(args)
+    except ValueError as exc:
+        print(f"prunex-hvd report: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

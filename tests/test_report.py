@@ -1,0 +1,182 @@
+"""``prunex-hvd report``: fake runs in the trainer's format → figures and a markdown table."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from prunex_hvd import report
+
+LAYERS = ["conv1.weight", "conv2.weight", "conv3.weight"]
+PNG = b"\x89PNG\r\n\x1a\n"
+MIB = 2**20   # the report's MB
+
+
+class TinyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.conv3 = nn.Conv2d(16, 16, 1)
+        self.fc = nn.Linear(16, 10)
+
+
+def _write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _admm_run(root: Path) -> Path:
+    """A complete H-SADMM run: per-layer data, summary.json and a structurally sparse final_model.pt."""
+    d = root / "prunex"
+    d.mkdir()
+    rounds = []
+    for i in range(4):
+        rounds.append({
+            "event": "round", "round": i + 1, "epoch": float(i + 1), "step": 100 * (i + 1), "wall_s": 12.5 * (i + 1),
+            "train_loss": 2.0 - 0.3 * i, "train_acc": 0.4 + 0.1 * i,
+            "test_acc": None if i == 1 else 0.5 + 0.1 * i, "test_loss": 1.5 - 0.2 * i,
+            "inter_bytes": MIB // 4 * (i + 1), "intra_bytes": 900_000 * (i + 1),
+            "dense_inter_bytes": MIB * (i + 1), "density": 0.5,
+            "layer_density": {name: 0.5 for name in LAYERS},
+            "residuals": {name: {"r_intra": 0.5 / (i + 1) / (j + 1), "s_intra": 0.01, "r_inter": 0.2 / (i + 1) ** 2,
+                                 "s_inter": 0.02} for j, name in enumerate(LAYERS)},
+            "rho": {name: {"rho1": 1.5e-3, "rho2": 1.5e-4} for name in LAYERS},
+            "mask_drift": 0.1 / (i + 1), "frozen": i == 3, "method": "hsadmm"})
+    final = {"event": "final", "method": "hsadmm", "round": 4, "step": 400, "epoch": 4.0, "wall_s": 51.0,
+             "test_acc": 0.8765, "test_loss": 0.7, "inter_bytes": MIB, "intra_bytes": 3_600_000,
+             "dense_inter_bytes": 4 * MIB, "density": 0.5, "layer_density": {name: 0.5 for name in LAYERS}}
+    _write_jsonl(d / "metrics.jsonl", rounds + [final])
+    (d / "summary.json").write_text(json.dumps({
+        "name": "prunex", "method": "hsadmm", "model": "tinynet", "dataset": "cifar10", "sparsity": "channel:0.5",
+        "world_size": 4, "num_nodes": 2, "ranks_per_node": 2, "epochs": 4, "rounds": 4, "steps": 400,
+        "final_test_acc": 0.8765, "final_test_loss": 0.7, "density": 0.5,
+        "layer_density": {"conv1.weight": 0.667, "conv2.weight": 0.5, "conv3.weight": 0.5},
+        "inter_bytes": MIB, "intra_bytes": 3_600_000, "dense_inter_bytes": 4 * MIB, "wall_s": 51.0,
+        "params_total": 2000, "params_nonzero": 1000, "args": {"lr": 0.1}}))
+    model = TinyNet()
+    with torch.no_grad():
+        model.conv1.weight[::2] = 0            # pruned output filters (rows)
+        model.conv2.weight[:, 1::2] = 0        # pruned input channels (column blocks)
+        model.conv3.weight[3:9] = 0
+    torch.save({"model": "tinynet", "state_dict": model.state_dict(), "sparsity": "channel:0.5",
+                "num_classes": 10, "in_channels": 3}, d / "final_model.pt")
+    return d
+
+
+def _baseline_run(root: Path) -> Path:
+    """An interrupted dense baseline: no per-layer data, no summary.json, no final record, no model."""
+    d = root / "baseline"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"config": {"model": "resnet18", "dataset": "cifar10",
+                                                          "method": "allreduce", "sparsity": "None"}}))
+    _write_jsonl(d / "metrics.jsonl", [
+        {"event": "round", "round": i + 1, "epoch": float(i + 1), "step": 100 * (i + 1), "wall_s": 10.0 * (i + 1),
+         "train_loss": 1.9 - 0.3 * i, "train_acc": 0.45 + 0.1 * i, "test_acc": None if i == 2 else 0.6123 + 0.05 * i,
+         "test_loss": None, "inter_bytes": 4 * MIB * (i + 1), "intra_bytes": 0,
+         "dense_inter_bytes": 4 * MIB * (i + 1), "density": 1.0, "mask_drift": None, "frozen": False,
+         "method": "allreduce"} for i in range(3)])
+    return d
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    return _admm_run(root), _baseline_run(root)
+
+
+@pytest.fixture(scope="module")
+def made(runs, tmp_path_factory):
+    return report.make_report([str(p) for p in runs], out_dir=str(tmp_path_factory.mktemp("out")))
+
+
+def _valid_png(path):
+    data = Path(path).read_bytes()
+    return data.startswith(PNG) and len(data) > 5000
+
+
+def test_load_run_complete_and_incomplete(runs):
+    a, b = (report.load_run(p) for p in runs)
+    assert (a["name"], a["complete"], len(a["metrics"])) == ("prunex", True, 4)
+    assert a["final"]["test_acc"] == 0.8765 and a["summary"]["model"] == "tinynet"
+    assert (b["name"], b["complete"], b["summary"], b["final"]) == ("baseline", False, None, None)
+
+
+def test_every_figure_written_and_valid(made):
+    expected = {"accuracy_vs_time", "accuracy_vs_inter_bytes", "residuals", "density_per_layer",
+                "communication", "masks_prunex"}
+    assert set(made["figures"]) == expected
+    for key, path in made["figures"].items():
+        assert Path(path).name == f"{key}.png" and Path(path).parent == Path(made["out_dir"])
+        assert _valid_png(path), path
+    assert not (Path(made["out_dir"]) / "masks_baseline.png").exists()
+
+
+def test_table_numbers_and_links(made):
+    md = Path(made["table"]).read_text()
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip().strip("|").split("|")]
+            for line in md.splitlines() if line.startswith("| prunex") or line.startswith("| baseline")}
+    a, b = rows["prunex"], rows["baseline (incomplete)"]
+    # run, method, model, dataset, sparsity, ranks, acc %, density, inter MB, dense MB, ratio, wall s
+    assert a == ["prunex", "hsadmm", "tinynet", "cifar10", "channel:0.5", "2×2", "87.65", "0.500", "1.00", "4.00",
+                 "0.250", "51.0"]
+    assert b[1:4] == ["allreduce", "resnet18", "cifar10"]   # setup from config.json: no summary.json
+    assert b[6] == "66.23"                                     # the last round had no eval: skipped
+    assert b[8:11] == ["12.00", "12.00", "1.000"] and b[11] == "30.0"
+    for path in made["figures"].values():
+        assert f"]({Path(path).name})" in md
+
+
+def test_figures_without_data_are_skipped(runs, tmp_path):
+    res = report.make_report([str(runs[1])], out_dir=str(tmp_path))
+    assert set(res["figures"]) == {"accuracy_vs_time", "accuracy_vs_inter_bytes", "communication"}
+    for skipped in ("residuals", "density_per_layer", "masks_baseline"):
+        assert not (tmp_path / f"{skipped}.png").exists()
+        assert f"{skipped}.png" not in (tmp_path / "report.md").read_text()
+
+
+def test_main_writes_files(runs, tmp_path, capsys):
+    out = tmp_path / "rep"
+    assert report.main([str(runs[0]), str(runs[1]), "--out", str(out), "--mask-layers", "2"]) == 0
+    printed = capsys.readouterr().out.split()
+    assert str(out / "report.md") in printed and str(out / "masks_prunex.png") in printed
+    assert all(Path(p).is_file() for p in printed)
+
+
+def test_main_default_out_dir(tmp_path):
+    run = _baseline_run(tmp_path)
+    assert report.main([str(run)]) == 0
+    assert (tmp_path / "report" / "report.md").is_file()
+
+
+def test_mask_layers_spread_over_depth():
+    assert report._spread(list(range(10)), 4) == [0, 3, 6, 9]
+    assert report._spread([1, 2], 4) == [1, 2]
+
+
+def test_bad_paths_raise(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    with pytest.raises(ValueError, match="nope.*not a directory"):
+        report.load_run(missing)
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="file.txt"):
+        report.make_report([str(a_file)])
+    no_metrics = tmp_path / "empty_dir"
+    no_metrics.mkdir()
+    with pytest.raises(ValueError, match="empty_dir.*metrics.jsonl"):
+        report.load_run(no_metrics)
+    empty = tmp_path / "empty_metrics"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="empty_metrics.*no round records"):
+        report.load_run(empty)
+    assert report.main([str(missing)]) == 2
+    assert str(missing) in capsys.readouterr().err
+
+
+def test_torn_last_line_is_tolerated(tmp_path):
+    d = _baseline_run(tmp_path)
+    with open(d / "metrics.jsonl", "a") as f:
+        f.write('{"event": "round", "round": 4, "wall')
+    assert len(report.load_run(d)["metrics"]) == 3
