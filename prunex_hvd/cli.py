@@ -3,6 +3,12 @@
     prunex-hvd info [--backend B] [--ranks-per-node N] [--probe-mb MB] [--json]
         under any launcher: the topology every rank sees, the backends usable here, and with --probe-mb a
         real collective on each tier with its accounted bytes.
+
+    prunex-hvd train --model resnet18 --dataset cifar10 --data-dir data --sparsity channel:0.5 --out runs/NAME ...
+        under any launcher: train with --method (PruneX by default); metrics, checkpoints, summary in --out.
+
+    prunex-hvd report runs/A runs/B ... [--out DIR]
+        plots (accuracy vs time and vs inter-node bytes, residuals, density, masks) and a markdown table.
 """
 from __future__ import annotations
 
@@ -50,6 +56,91 @@ def _info(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from prunex_hvd import train
+
+    fields = {f.name for f in train.dataclasses.fields(train.TrainConfig)}
+    cfg = train.TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    if cfg.sparsity.lstrip().startswith("{"):
+        try:
+            cfg.sparsity = json.loads(cfg.sparsity)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--sparsity looks like JSON but does not parse: {exc}") from None
+    summary = train.train(cfg)
+    if "stopped_after_round" in summary or train.runtime.topology().rank != 0:
+        return 0
+    ratio = summary["inter_bytes"] / summary["dense_inter_bytes"] if summary["dense_inter_bytes"] else float("nan")
+    print(f"final test accuracy {100 * summary['final_test_acc']:.2f}% (the finalized, pruned model)   "
+          f"density {summary['density']:.3f}   wall {summary['wall_s']:.1f} s\n"
+          f"inter-node traffic {summary['inter_bytes'] / 2**20:.2f} MB; the same rounds exchanged dense: "
+          f"{summary['dense_inter_bytes'] / 2**20:.2f} MB ({ratio:.3f}x)")
+    print(f"results in {cfg.out}: metrics.jsonl, summary.json, final_model.pt; plots: prunex-hvd report {cfg.out}")
+    return 0
+
+
+def _report(args) -> int:
+    from prunex_hvd import report
+
+    argv = list(args.runs) + (["--out", args.out] if args.out else []) + ["--mask-layers", str(args.mask_layers)]
+    return report.main(argv)
+
+
+def _optional_int(text: str):
+    return None if text.lower() in ("none", "") else int(text)
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    from prunex_hvd import methods, models
+    from prunex_hvd.data import DATASETS
+    from prunex_hvd.train import TrainConfig as D
+
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=D.model, help=f"{', '.join(models.NAMES)}, or torchvision:NAME (GPU hosts)")
+    g.add_argument("--dataset", default=D.dataset, choices=DATASETS,
+                   help="digits: embedded, no download; cifar10: needs --data-dir; synthetic: for benchmarks")
+    g.add_argument("--data-dir", default=D.data_dir, help="folder holding cifar-10-batches-py/")
+    g.add_argument("--image-size", type=int, default=None, help="input side in pixels (default: the model's)")
+    g = p.add_argument_group("schedule")
+    g.add_argument("--method", default=D.method, choices=sorted(methods.METHODS))
+    g.add_argument("--epochs", type=float, default=D.epochs)
+    g.add_argument("--local-epochs", type=float, default=D.local_epochs, help="epochs of local steps per round")
+    g.add_argument("--local-steps", type=int, default=None, help="steps per round (overrides --local-epochs)")
+    g.add_argument("--batch-size", type=int, default=D.batch_size, help="per rank")
+    g.add_argument("--test-batch-size", type=int, default=D.test_batch_size)
+    g.add_argument("--lr", type=float, default=D.lr)
+    g.add_argument("--momentum", type=float, default=D.momentum)
+    g.add_argument("--weight-decay", type=float, default=D.weight_decay)
+    g.add_argument("--nesterov", action="store_true")
+    g.add_argument("--lr-schedule", default=D.lr_schedule, choices=("cosine", "constant"))
+    g.add_argument("--warmup-epochs", type=float, default=D.warmup_epochs)
+    g.add_argument("--seed", type=int, default=D.seed)
+    g = p.add_argument_group("H-SADMM (prunex)")
+    g.add_argument("--sparsity", default=D.sparsity,
+                   help="e.g. channel:0.5, filter:0.5+channel:0.5, or JSON {glob: spec} (the number is the KEPT fraction)")
+    g.add_argument("--rho1", type=float, default=D.rho1)
+    g.add_argument("--rho2", type=float, default=D.rho2)
+    g.add_argument("--rho-max", type=float, default=D.rho_max)
+    g.add_argument("--no-adaptive-rho", dest="adaptive_rho", action="store_false")
+    g.add_argument("--weight-decay-z", type=float, default=D.weight_decay_z)
+    g.add_argument("--freeze-round", type=_optional_int, default=None)
+    g.add_argument("--freeze-patience", type=int, default=D.freeze_patience)
+    g.add_argument("--no-masked-retrain", dest="masked_retrain", action="store_false",
+                   help="after freezing, let θ leave the frozen structure (only z is masked)")
+    g.add_argument("--bucket-mb", type=float, default=D.bucket_mb)
+    g = p.add_argument_group("job")
+    g.add_argument("--backend", default=D.backend, help="auto, mpi, gloo, nccl or horovod")
+    g.add_argument("--ranks-per-node", type=int, default=None,
+                   help="emulate nodes: node = rank // N (same as env PRUNEX_RANKS_PER_NODE)")
+    g.add_argument("--out", default=D.out, help="run folder: metrics.jsonl, summary.json, checkpoints")
+    g.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every, help="rounds between checkpoints (0: off)")
+    g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    g.add_argument("--stop-after-rounds", type=int, default=None,
+                   help="run this many rounds, checkpoint and stop (time-boxed slices of one schedule)")
+    g.add_argument("--eval-every", type=int, default=D.eval_every, help="rounds between test evaluations")
+    g.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks on the host)")
+    g.add_argument("--no-progress", dest="progress", action="store_false")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="prunex-hvd", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -61,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run a hierarchical allreduce of this many MB and show the bytes per tier")
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=_info)
+    train = sub.add_parser("train", help="train a model with --method under any launcher")
+    _add_train_args(train)
+    train.set_defaults(func=_train)
+    rep = sub.add_parser("report", help="plots and a markdown table from run folders")
+    rep.add_argument("runs", nargs="+")
+    rep.add_argument("--out", default=None, help="default: <parent of the first run>/report")
+    rep.add_argument("--mask-layers", type=int, default=4)
+    rep.set_defaults(func=_report)
     return ap
 
 

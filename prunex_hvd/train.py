@@ -1,0 +1,331 @@
+"""``prunex-hvd train``: the training application around a wrapped optimizer.
+
+One process per rank, under horovodrun, mpirun or torchrun. Each rank trains on its own disjoint shard;
+the method (``--method``, see :mod:`prunex_hvd.methods`) does the communication. Rank 0 shows progress and
+writes, in ``--out``:
+
+* ``metrics.jsonl``: one line per round (``"event": "round"``; per epoch for methods that talk every step)
+  and a last ``"event": "final"`` line for the finalized model;
+* ``summary.json`` at the end, and ``final_model.pt`` (the finalized model's state dict);
+* ``checkpoint.json`` + ``ckpt/`` every ``checkpoint_every`` rounds (see :mod:`prunex_hvd.checkpoint`).
+
+A resumed run continues exactly where the checkpoint was taken (same batches, same RNG, same optimizer and
+engine state), so on CPU it ends bit for bit where the uninterrupted run ends.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import checkpoint, methods, models, runtime
+from .data import ShardedLoader, load_dataset
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a run; the command line maps one flag to each field."""
+    model: str = "resnet18"
+    dataset: str = "cifar10"
+    data_dir: Optional[str] = None
+    image_size: Optional[int] = None
+    method: str = "prunex"
+    sparsity: Any = "channel:0.5"
+    epochs: float = 10
+    local_epochs: float = 1.0
+    local_steps: Optional[int] = None          # overrides local_epochs when set
+    batch_size: int = 128
+    test_batch_size: int = 256
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    nesterov: bool = False
+    lr_schedule: str = "cosine"                # cosine | constant
+    warmup_epochs: float = 0.0
+    rho1: float = 1.5e-3
+    rho2: float = 1.5e-4
+    rho_max: float = 10.0
+    adaptive_rho: bool = True
+    weight_decay_z: float = 0.0
+    freeze_round: Optional[int] = None
+    freeze_patience: int = 3
+    masked_retrain: bool = True
+    bucket_mb: float = 32
+    backend: str = "auto"
+    ranks_per_node: Optional[int] = None
+    seed: int = 0
+    out: str = "runs/run"
+    checkpoint_every: int = 1                  # rounds; 0: only at the end of a --stop-after-rounds slice
+    resume: bool = False
+    stop_after_rounds: Optional[int] = None    # a time-boxed slice: checkpoint and stop after this many more rounds
+    eval_every: int = 1                        # rounds
+    threads: Optional[int] = None
+    progress: bool = True
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        for name in ("epochs", "local_epochs", "lr"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        for name in ("batch_size", "test_batch_size", "eval_every"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.local_steps is not None and self.local_steps < 1:
+            raise ValueError(f"local_steps must be >= 1, got {self.local_steps!r}")
+        if self.lr_schedule not in ("cosine", "constant"):
+            raise ValueError(f"lr_schedule must be 'cosine' or 'constant', got {self.lr_schedule!r}")
+        if self.momentum < 0 or self.weight_decay < 0 or self.warmup_epochs < 0:
+            raise ValueError("momentum, weight_decay and warmup_epochs must be >= 0")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every!r}")
+        if self.stop_after_rounds is not None and self.stop_after_rounds < 1:
+            raise ValueError(f"stop_after_rounds must be >= 1, got {self.stop_after_rounds!r}")
+        if self.method not in methods.METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(methods.METHODS)}")
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _lr_factor(cfg: TrainConfig, steps_per_epoch: int):
+    total = max(1, round(cfg.epochs * steps_per_epoch))
+    warmup = round(cfg.warmup_epochs * steps_per_epoch)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+    return factor
+
+
+def _set_threads(requested: Optional[int], control) -> int:
+    """Share the host's cores among the ranks on it (emulated nodes put several ranks on one host)."""
+    if requested is None:
+        hosts = control.allgather_object(socket.gethostname())
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        requested = max(1, cores // hosts.count(socket.gethostname()))
+    torch.set_num_threads(requested)
+    return requested
+
+
+def _agreed(control, fn, *args, **kwargs):
+    """Run ``fn`` on every rank; if it raises ValueError anywhere, raise it everywhere."""
+    result, error = None, None
+    try:
+        result = fn(*args, **kwargs)
+    except ValueError as exc:
+        error = str(exc)
+    control.agree(error, ValueError)
+    return result
+
+
+def evaluate(model: torch.nn.Module, loader: ShardedLoader, control) -> Dict[str, float]:
+    """Accuracy and loss over the whole test set: each rank scores its shard, the control plane sums."""
+    was_training = model.training
+    model.eval()
+    correct, loss_sum, count = 0, 0.0, 0
+    with torch.no_grad():
+        for x, y in loader.batches():
+            out = model(x)
+            loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
+            correct += int((out.argmax(1) == y).sum())
+            count += len(y)
+    model.train(was_training)
+    parts = control.allgather_object((correct, loss_sum, count))
+    n = sum(p[2] for p in parts)
+    return {"test_acc": sum(p[0] for p in parts) / n, "test_loss": sum(p[1] for p in parts) / n}
+
+
+class _MetricsLog:
+    """Rank 0 appends JSON lines; on resume, lines past the checkpoint are dropped first."""
+
+    def __init__(self, path: str, enabled: bool, keep_steps_upto: Optional[int]):
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        lines: List[str] = []
+        if keep_steps_upto is not None and os.path.exists(path):
+            with open(path) as f:
+                lines = [ln for ln in f if ln.strip() and json.loads(ln).get("event") == "round"
+                         and json.loads(ln)["step"] <= keep_steps_upto]
+        checkpoint.atomic_write_bytes(path, lambda f: f.write("".join(lines).encode()))
+
+    def write(self, record: Dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def _job_totals(control, stats: Dict[str, Any]) -> Dict[str, int]:
+    rows = control.allgather_object([int(stats.get(k, 0)) for k in ("inter_bytes", "intra_bytes", "dense_inter_bytes")])
+    return {k: sum(r[i] for r in rows) for i, k in enumerate(("inter_bytes", "intra_bytes", "dense_inter_bytes"))}
+
+
+def train(cfg: TrainConfig) -> Dict[str, Any]:
+    """Run (or resume) a training job. Collective: every rank calls it with the same config. Returns the
+    summary on every rank (``{"stopped_after_round": K}`` when a ``stop_after_rounds`` slice ended)."""
+    import prunex_hvd as px
+    from tqdm import tqdm
+
+    cfg.validate()
+    topo = px.init(backend=cfg.backend, ranks_per_node=cfg.ranks_per_node)
+    _, control = runtime.state()
+    threads = _set_threads(cfg.threads, control)
+    rank, is_main = topo.rank, topo.rank == 0
+
+    data = _agreed(control, load_dataset, cfg.dataset, data_dir=cfg.data_dir,
+                   image_size=cfg.image_size or models.default_image_size(cfg.model), seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = _agreed(control, models.build, cfg.model, num_classes=data.num_classes, in_channels=data.in_channels)
+    train_loader = _agreed(control, ShardedLoader, data, cfg.batch_size, rank, topo.size, seed=cfg.seed, train=True)
+    test_loader = ShardedLoader(data, cfg.test_batch_size, rank, topo.size, seed=cfg.seed, train=False)
+    steps_per_epoch = len(train_loader)
+    local_steps = cfg.local_steps or max(1, round(cfg.local_epochs * steps_per_epoch))
+    total_steps = max(1, round(cfg.epochs * steps_per_epoch))
+
+    base = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                           nesterov=cfg.nesterov)
+    opt = methods.wrap(cfg.method, base, model, cfg, local_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(cfg, steps_per_epoch))
+
+    meta = {"model": cfg.model, "dataset": cfg.dataset, "method": cfg.method, "sparsity": str(cfg.sparsity),
+            "world_size": topo.size, "num_nodes": topo.num_nodes, "ranks_per_node": topo.local_size,
+            "batch_size": cfg.batch_size, "local_steps": local_steps, "seed": cfg.seed}
+    os.makedirs(cfg.out, exist_ok=True)
+    step, wall_offset, resumed = 0, 0.0, False
+    if cfg.resume:
+        state = checkpoint.load(cfg.out, meta, rank, control)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            torch.set_rng_state(state["rng"]["torch"])
+            random.setstate(state["rng"]["python"])
+            np.random.set_state(state["rng"]["numpy"])
+            step, wall_offset, resumed = int(state["step"]), float(state["wall_s"]), True
+    else:
+        exists = os.path.exists(os.path.join(cfg.out, "metrics.jsonl")) if is_main else None
+        control.agree(f"{cfg.out} already holds a run: pass --resume to continue it, or choose another --out"
+                      if control.broadcast_object(exists, root=0) else None, ValueError)
+    log = _MetricsLog(os.path.join(cfg.out, "metrics.jsonl"), is_main, step if resumed else None)
+    if is_main:
+        checkpoint.atomic_write_json(os.path.join(cfg.out, "config.json"),
+                                     {"config": cfg.as_dict(), "meta": meta, "threads_per_rank": threads,
+                                      "launcher": topo.launcher, "topology_grouping": topo.grouping})
+
+    def save_checkpoint(tag: int) -> None:
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+                 "step": step, "wall_s": wall}
+        checkpoint.save(cfg.out, tag, state, meta, rank, control)
+
+    def record(stats: Dict[str, Any], running: Dict[str, float], with_eval: bool) -> Dict[str, Any]:
+        parts = control.allgather_object((running["loss"], running["correct"], running["count"]))
+        n = max(1, sum(p[2] for p in parts))
+        rec = {"event": "round", "method": cfg.method, "round": stats["rounds"], "step": step,
+               "epoch": step / steps_per_epoch, "wall_s": wall, "lr": sched.get_last_lr()[0],
+               "train_loss": sum(p[0] for p in parts) / n, "train_acc": sum(p[1] for p in parts) / n,
+               "test_acc": None, "test_loss": None}
+        if with_eval:
+            with opt.consensus_weights():
+                rec.update(evaluate(model, test_loader, control))
+        rec.update(_job_totals(control, stats))
+        for key in ("density", "layer_density", "residuals", "rho", "mask_drift", "frozen"):
+            if key in stats:
+                rec[key] = stats[key]
+        log.write(rec)
+        return rec
+
+    model.train()
+    bar = tqdm(total=total_steps, initial=step, disable=not (cfg.progress and is_main), unit="step",
+               dynamic_ncols=True, mininterval=0.5, desc=f"{cfg.method} {cfg.model}")
+    running = {"loss": 0.0, "correct": 0, "count": 0}
+    last = {"test_acc": None, "inter_bytes": 0}
+    t_start, wall = time.perf_counter(), wall_offset
+    rounds_seen = rounds_at_start = opt.stats()["rounds"]
+    per_epoch = getattr(opt, "records_per_epoch", False)  # methods that talk every step log once an epoch
+    stopped = None
+    while step < total_steps and stopped is None:
+        epoch, start_batch = divmod(step, steps_per_epoch)
+        train_loader.set_epoch(epoch)
+        for x, y in train_loader.batches(start=start_batch):
+            opt.zero_grad(set_to_none=True)
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            opt.step()
+            sched.step()
+            step += 1
+            running["loss"] += float(loss.detach()) * len(y)
+            running["correct"] += int((out.argmax(1) == y).sum())
+            running["count"] += len(y)
+            if step == total_steps and not per_epoch and hasattr(opt, "consensus") \
+                    and opt.stats()["rounds"] == rounds_seen and step % local_steps:
+                opt.consensus()   # the last local steps join the consensus the final model is made of
+            stats = opt.stats()
+            if (per_epoch and step % steps_per_epoch == 0) or (not per_epoch and stats["rounds"] != rounds_seen) \
+                    or step == total_steps:
+                rounds_seen = stats["rounds"]
+                wall = wall_offset + time.perf_counter() - t_start
+                with_eval = rounds_seen % cfg.eval_every == 0 or step == total_steps
+                rec = record(stats, running, with_eval)
+                running = {"loss": 0.0, "correct": 0, "count": 0}
+                last.update({k: rec[k] for k in ("test_acc", "inter_bytes") if rec[k] is not None})
+                if cfg.checkpoint_every and rounds_seen and rounds_seen % cfg.checkpoint_every == 0:
+                    save_checkpoint(step)
+                if cfg.stop_after_rounds is not None and rounds_seen - rounds_at_start >= cfg.stop_after_rounds and step < total_steps:
+                    if not (cfg.checkpoint_every and rounds_seen % cfg.checkpoint_every == 0):
+                        save_checkpoint(step)
+                    stopped = rounds_seen
+                t_start, wall_offset = time.perf_counter(), wall  # eval and checkpoints are not training time
+            bar.update(1)
+            bar.set_postfix(epoch=f"{step / steps_per_epoch:.1f}", loss=f"{float(loss.detach()):.3f}",
+                            acc="-" if last["test_acc"] is None else f"{100 * last['test_acc']:.1f}%",
+                            density=f"{stats.get('density', 1.0):.2f}",
+                            inter_MB=f"{last['inter_bytes'] / 2**20:.1f}", refresh=False)
+            if stopped is not None or step >= total_steps:
+                break
+    bar.close()
+    if stopped is not None:
+        if is_main:
+            print(f"stopped after round {stopped} (step {step}/{total_steps}); continue with --resume --out {cfg.out}")
+        return {"stopped_after_round": stopped, "step": step}
+
+    opt.finalize()
+    final = evaluate(model, test_loader, control)
+    stats = opt.stats()
+    totals = _job_totals(control, stats)
+    params_total = sum(p.numel() for p in model.parameters())
+    params_nonzero = sum(int(torch.count_nonzero(p)) for p in model.parameters())
+    summary = {"name": os.path.basename(os.path.normpath(cfg.out)), "method": cfg.method, "model": cfg.model,
+               "dataset": cfg.dataset, "sparsity": str(cfg.sparsity), "world_size": topo.size,
+               "num_nodes": topo.num_nodes, "ranks_per_node": topo.local_size, "launcher": topo.launcher,
+               "backend": runtime.default_backend(), "epochs": cfg.epochs, "rounds": stats["rounds"],
+               "steps": step, "local_steps": local_steps, "final_test_acc": final["test_acc"],
+               "final_test_loss": final["test_loss"], "density": stats.get("density", 1.0),
+               "layer_density": stats.get("layer_density", {}), **totals, "wall_s": wall,
+               "params_total": params_total, "params_nonzero": params_nonzero, "args": cfg.as_dict()}
+    log.write({"event": "final", "method": cfg.method, "round": stats["rounds"], "step": step,
+               "epoch": step / steps_per_epoch, "wall_s": wall, **final, **totals,
+               "density": summary["density"], "layer_density": summary["layer_density"]})
+    if is_main:
+        checkpoint.atomic_torch_save(os.path.join(cfg.out, "final_model.pt"),
+                                     {"model": cfg.model, "state_dict": model.state_dict(),
+                                      "sparsity": str(cfg.sparsity), "num_classes": data.num_classes,
+                                      "in_channels": data.in_channels, "image_size": data.image_size,
+                                      "dataset": cfg.dataset})
+        checkpoint.atomic_write_json(os.path.join(cfg.out, "summary.json"), summary)
+    return summary
