@@ -1,0 +1,134 @@
+"""`prunex-hvd train` on 4 ranks as 2 nodes × 2 under real launchers: metrics, summary, the final model,
+checkpoint/resume equivalence, refusal of a checkpoint from another job, and the report's files."""
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from launching import BIN, horovodrun, mpirun, needs_horovod, needs_mpirun, run
+
+pytestmark = [pytest.mark.launch, needs_mpirun]
+
+ARGS = ["--model", "resnet_small", "--dataset", "digits", "--image-size", "8", "--epochs", "3", "--local-steps", "7",
+        "--batch-size", "16", "--lr", "0.05", "--rho1", "0.01", "--rho2", "0.001", "--freeze-round", "3",
+        "--threads", "1", "--no-progress"]
+STEPS = 3 * (1437 // 4 // 16)                       # 22 batches per epoch and rank on the digits split
+NODES2 = ["PRUNEX_RANKS_PER_NODE=2"]
+
+
+def train(out, *extra, np_=4):
+    proc = run(mpirun(np_, [str(BIN / "prunex-hvd"), "train", *ARGS, "--out", str(out), *extra], NODES2),
+               timeout=300)
+    return proc
+
+
+def metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "full"
+    proc = train(out)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return out, proc.stdout
+
+
+def test_metrics_summary_and_final_model(full_run):
+    out, stdout = full_run
+    assert "final test accuracy" in stdout and "the same rounds exchanged dense" in stdout
+    lines = metrics(out)
+    rounds, final = lines[:-1], lines[-1]
+    assert [r["event"] for r in rounds] == ["round"] * len(rounds) and final["event"] == "final"
+    # a round every 7 steps, and the last 3 steps get a round of their own so the final model includes them
+    assert [r["step"] for r in rounds] == list(range(7, STEPS, 7)) + [STEPS]
+    assert [r["round"] for r in rounds] == list(range(1, len(rounds) + 1))
+    for a, b in zip(rounds, rounds[1:]):
+        assert b["wall_s"] > a["wall_s"] and b["inter_bytes"] > a["inter_bytes"]
+        assert b["dense_inter_bytes"] > a["dense_inter_bytes"] and b["intra_bytes"] > a["intra_bytes"]
+    for r in rounds:
+        assert 0 <= r["test_acc"] <= 1 and r["train_loss"] > 0 and r["residuals"] and r["rho"]
+        assert set(r["residuals"]["conv1.weight"]) == {"r_intra", "s_intra", "r_inter", "s_inter"}
+    assert [r["frozen"] for r in rounds[:2]] == [False, False] and all(r["frozen"] for r in rounds[2:])
+    assert rounds[-1]["inter_bytes"] < 0.7 * rounds[-1]["dense_inter_bytes"]
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["world_size"], summary["num_nodes"], summary["ranks_per_node"]) == (4, 2, 2)
+    assert summary["final_test_acc"] == final["test_acc"] and summary["steps"] == STEPS
+    assert summary["inter_bytes"] == final["inter_bytes"] == rounds[-1]["inter_bytes"]
+
+    # the saved model, scored here in one process, is exactly what the job reported, at the requested density
+    from prunex_hvd.data import ShardedLoader, load_dataset
+    from prunex_hvd.models import build
+    blob = torch.load(out / "final_model.pt")
+    model = build(blob["model"], blob["num_classes"], blob["in_channels"])
+    model.load_state_dict(blob["state_dict"])
+    model.eval()
+    data = load_dataset("digits", image_size=blob["image_size"])
+    with torch.no_grad():
+        correct = sum(int((model(x).argmax(1) == y).sum()) for x, y in ShardedLoader(data, 64, 0, 1, train=False).batches())
+    assert correct / len(data.test_y) == pytest.approx(summary["final_test_acc"], abs=1e-12)
+    kept = total = 0
+    for name, w in blob["state_dict"].items():
+        if w.dim() == 4:
+            channels = int((w.abs().sum((0, 2, 3)) != 0).sum())
+            assert channels == math.ceil(0.5 * w.shape[1]), name
+            kept, total = kept + channels * w[0, 0].numel() * w.shape[0], total + w.numel()
+    assert summary["density"] == pytest.approx(kept / total)
+
+
+def test_report_draws_the_run(full_run, tmp_path):
+    out, _ = full_run
+    proc = run([str(BIN / "prunex-hvd"), "report", str(out), "--out", str(tmp_path / "rep")], timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    for name in ("accuracy_vs_time", "accuracy_vs_inter_bytes", "residuals", "density_per_layer",
+                 "communication", "masks_full"):
+        png = tmp_path / "rep" / f"{name}.png"
+        assert png.read_bytes()[:4] == b"\x89PNG", name
+    assert "| full |" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_resume_equals_uninterrupted(full_run, tmp_path):
+    ref, _ = full_run
+    out = tmp_path / "sliced"
+    first = train(out, "--stop-after-rounds", "4")      # stops mid-epoch (step 28 of 22-step epochs)
+    assert first.returncode == 0 and "stopped after round 4" in first.stdout, first.stdout[-4000:]
+    assert (out / "checkpoint.json").exists() and not (out / "summary.json").exists()
+    assert len(list((out / "ckpt").glob("*.pt"))) == 4
+    again = train(out, "--resume")
+    assert again.returncode == 0, again.stdout[-4000:]
+    a = torch.load(ref / "final_model.pt")["state_dict"]
+    b = torch.load(out / "final_model.pt")["state_dict"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    drop = lambda rec: {k: v for k, v in rec.items() if k != "wall_s"}  # noqa: E731
+    assert [drop(r) for r in metrics(ref)] == [drop(r) for r in metrics(out)]
+
+
+def test_checkpoint_of_another_job_is_refused_on_every_rank(tmp_path):
+    out = tmp_path / "run"
+    assert train(out, "--stop-after-rounds", "1").returncode == 0
+    manifest = (out / "checkpoint.json").read_bytes()
+    proc = train(out, "--resume", "--sparsity", "channel:0.25")
+    assert proc.returncode != 0
+    assert proc.stdout.count("cannot resume from") == 4, proc.stdout[-4000:]
+    assert "sparsity was 'channel:0.5', now 'channel:0.25'" in proc.stdout
+    assert (out / "checkpoint.json").read_bytes() == manifest
+    proc = train(out)                                   # a new run over it is refused too
+    assert proc.returncode != 0 and proc.stdout.count("already holds a run") == 4, proc.stdout[-4000:]
+    shutil.rmtree(out / "ckpt")                         # the manifest names files that are gone
+    proc = train(out, "--resume")
+    assert proc.returncode != 0 and proc.stdout.count("prunex-hvd: error: ") == 4, proc.stdout[-4000:]
+    assert all(f"rank0000{r}.pt is missing or unreadable" in proc.stdout for r in range(4))
+
+
+@needs_horovod
+def test_horovodrun_gloo_two_host_names(tmp_path):
+    out = tmp_path / "hvd"
+    cmd = [str(BIN / "prunex-hvd"), "train", *ARGS, "--epochs", "1", "--backend", "horovod", "--out", str(out)]
+    proc = run(horovodrun(4, "localhost:2,127.0.0.1:2", cmd), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["launcher"], summary["num_nodes"], summary["ranks_per_node"]) == ("horovod", 2, 2)
+    assert summary["rounds"] == 4 and 0 < summary["inter_bytes"] < summary["dense_inter_bytes"]

@@ -1,0 +1,93 @@
+"""`prunex-hvd train` in one process: the CIFAR-10 path end to end on a small file in the real format, and
+bad input that must end in a clear error (exit status 2), not a traceback."""
+import json
+import os
+import pickle
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import prunex_hvd as px
+from prunex_hvd import cli
+
+
+@pytest.fixture(autouse=True)
+def single_process(monkeypatch):
+    for var in list(os.environ):
+        if var.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_", "PRUNEX_")) or var in ("RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(var)
+    px.shutdown()
+    yield
+    px.shutdown()
+
+
+def write_cifar(root, per_batch=24, test=20):
+    """The standard python-pickle layout of CIFAR-10, small: class k images are brighter in channel k % 3."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+
+    def batch(n):
+        labels = [int(v) for v in rng.integers(0, 10, n)]
+        images = rng.integers(0, 120, (n, 3, 32, 32)).astype(np.uint8)
+        for i, k in enumerate(labels):
+            images[i, k % 3] += np.uint8(12 * k)
+        return {b"batch_label": b"x", b"labels": labels, b"data": images.reshape(n, 3072),
+                b"filenames": [b"%d.png" % i for i in range(n)]}
+    for b in range(1, 6):
+        with open(folder / f"data_batch_{b}", "wb") as f:
+            pickle.dump(batch(per_batch), f)
+    with open(folder / "test_batch", "wb") as f:
+        pickle.dump(batch(test), f)
+
+
+BASE = ["train", "--model", "resnet_small", "--threads", "1", "--no-progress"]
+
+
+def test_cifar10_from_the_pickle_layout(tmp_path, capsys):
+    write_cifar(tmp_path / "data")
+    out = tmp_path / "run"
+    rc = cli.main(BASE + ["--dataset", "cifar10", "--data-dir", str(tmp_path / "data"), "--image-size", "16",
+                          "--batch-size", "16",
+                          "--epochs", "2", "--local-steps", "3", "--out", str(out)])
+    assert rc == 0, capsys.readouterr()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dataset"] == "cifar10" and summary["steps"] == 2 * (120 // 16) and summary["rounds"] == 5
+    assert (summary["world_size"], summary["inter_bytes"]) == (1, 0)   # one process sends nothing across nodes
+    blob = torch.load(out / "final_model.pt")
+    assert (blob["in_channels"], blob["image_size"], blob["num_classes"]) == (3, 16, 10)
+    assert "final test accuracy" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--dataset", "cifar10", "--data-dir", "{tmp}/nowhere"], "cifar-10-batches-py"),
+    (["--dataset", "cifar10"], "--data-dir"),
+    (["--epochs", "0"], "epochs must be a finite number > 0"),
+    (["--model", "resnet9000"], "resnet_small"),
+    (["--model", "torchvision:resnet18"], "torchvision"),
+    (["--sparsity", "channel:2"], r"keep ratio must be in \(0, 1\]"),
+    (["--sparsity", "{not json"], "does not parse"),
+    (["--batch-size", "4000"], "batch"),
+])
+def test_bad_input_is_a_clear_error(tmp_path, capsys, args, message):
+    if args[:2] == ["--model", "torchvision:resnet18"]:
+        try:
+            import torchvision  # noqa: F401
+            pytest.skip("torchvision imports here")
+        except Exception:
+            pass
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    rc = cli.main(BASE + ["--dataset", "digits", "--epochs", "1", "--out", str(tmp_path / "r")] + args)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("prunex-hvd: error: ") and re.search(message, err), err
+
+
+def test_an_existing_run_is_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"event": "round"}\n')
+    rc = cli.main(BASE + ["--dataset", "digits", "--epochs", "1", "--out", str(out)])
+    assert rc == 2 and "already holds a run" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == '{"event": "round"}\n'
