@@ -35,7 +35,9 @@ torch.manual_seed(0)
 model = build(args.model, num_classes=data.num_classes, in_channels=data.in_channels)
 optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
 optimizer = px.DistributedOptimizer(optimizer, model, sparsity=args.sparsity,     # <- prunex
-                                    local_steps=len(train), rho1=0.01, rho2=0.001)  # one round per epoch
+                                    local_steps=len(train),                         # one round per epoch
+                                    rho1=0.01, rho2=0.001,
+                                    freeze_round=max(1, args.epochs // 3))          # then retrain the structure
 scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(train))
 
 for epoch in range(args.epochs):

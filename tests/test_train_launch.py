@@ -3,6 +3,7 @@ checkpoint/resume equivalence, refusal of a checkpoint from another job, and the
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +133,11 @@ def test_horovodrun_gloo_two_host_names(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["launcher"], summary["num_nodes"], summary["ranks_per_node"]) == ("horovod", 2, 2)
     assert summary["rounds"] == 4 and 0 < summary["inter_bytes"] < summary["dense_inter_bytes"]
+
+
+def test_example_script_runs(tmp_path):
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "train_cifar.py")
+    proc = run(mpirun(4, [str(BIN / "python"), example, "--dataset", "digits", "--model", "resnet_small",
+                          "--epochs", "2", "--batch-size", "32"], NODES2), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "epoch 2: round 2, density 0.50" in proc.stdout and proc.stdout.count("pruned model") == 4
