@@ -116,7 +116,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=D.seed)
     g = p.add_argument_group("H-SADMM (prunex)")
     g.add_argument("--sparsity", default=D.sparsity,
-                   help="e.g. channel:0.5, filter:0.5+channel:0.5, or JSON {glob: spec} (the number is the KEPT fraction)")
+                   help="channel:0.5, filter:0.5+channel:0.5, or JSON {glob: spec}; the number is the KEPT fraction")
     g.add_argument("--rho1", type=float, default=D.rho1)
     g.add_argument("--rho2", type=float, default=D.rho2)
     g.add_argument("--rho-max", type=float, default=D.rho_max)
@@ -132,12 +132,16 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="emulate nodes: node = rank // N (same as env PRUNEX_RANKS_PER_NODE)")
     g.add_argument("--out", default=D.out, help="run folder: metrics.jsonl, summary.json, checkpoints")
-    g.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every, help="rounds between checkpoints (0: off)")
+    g.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every,
+                   help="rounds between checkpoints (0: off)")
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     g.add_argument("--stop-after-rounds", type=int, default=None,
                    help="run this many rounds, checkpoint and stop (time-boxed slices of one schedule)")
     g.add_argument("--eval-every", type=int, default=D.eval_every, help="rounds between test evaluations")
-    g.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks on the host)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch threads per rank (default: cores / ranks on the host)")
+    g.add_argument("--device", default=D.device, choices=("auto", "cpu", "cuda"),
+                   help="auto: the GPU of this local rank when CUDA is available, else cpu")
     g.add_argument("--no-progress", dest="progress", action="store_false")
 
 

@@ -70,6 +70,7 @@ class TrainConfig:
     stop_after_rounds: Optional[int] = None    # a time-boxed slice: checkpoint and stop after this many more rounds
     eval_every: int = 1                        # rounds
     threads: Optional[int] = None
+    device: str = "auto"                       # auto: this rank's GPU (local rank) when CUDA is there, else cpu
     progress: bool = True
     extra: Dict[str, Any] = field(default_factory=dict)
 
@@ -91,6 +92,8 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every!r}")
         if self.stop_after_rounds is not None and self.stop_after_rounds < 1:
             raise ValueError(f"stop_after_rounds must be >= 1, got {self.stop_after_rounds!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.method not in methods.METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(methods.METHODS)}")
 
@@ -119,6 +122,16 @@ def _set_threads(requested: Optional[int], control) -> int:
         requested = max(1, cores // hosts.count(socket.gethostname()))
     torch.set_num_threads(requested)
     return requested
+
+
+def _pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but CUDA is not available on this host")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def _agreed(control, fn, *args, **kwargs):
@@ -159,8 +172,13 @@ class _MetricsLog:
         lines: List[str] = []
         if keep_steps_upto is not None and os.path.exists(path):
             with open(path) as f:
-                lines = [ln for ln in f if ln.strip() and json.loads(ln).get("event") == "round"
-                         and json.loads(ln)["step"] <= keep_steps_upto]
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:   # a line cut short by the kill that made us resume
+                        continue
+                    if rec.get("event") == "round" and rec["step"] <= keep_steps_upto:
+                        lines.append(line)
         checkpoint.atomic_write_bytes(path, lambda f: f.write("".join(lines).encode()))
 
     def write(self, record: Dict[str, Any]) -> None:
@@ -185,13 +203,16 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     _, control = runtime.state()
     threads = _set_threads(cfg.threads, control)
     rank, is_main = topo.rank, topo.rank == 0
+    device = _agreed(control, _pick_device, cfg.device, topo.local_rank)
 
     data = _agreed(control, load_dataset, cfg.dataset, data_dir=cfg.data_dir,
                    image_size=cfg.image_size or models.default_image_size(cfg.model), seed=cfg.seed)
     torch.manual_seed(cfg.seed)
     model = _agreed(control, models.build, cfg.model, num_classes=data.num_classes, in_channels=data.in_channels)
-    train_loader = _agreed(control, ShardedLoader, data, cfg.batch_size, rank, topo.size, seed=cfg.seed, train=True)
-    test_loader = ShardedLoader(data, cfg.test_batch_size, rank, topo.size, seed=cfg.seed, train=False)
+    model.to(device)
+    train_loader = _agreed(control, ShardedLoader, data, cfg.batch_size, rank, topo.size, seed=cfg.seed, train=True,
+                           device=device)
+    test_loader = ShardedLoader(data, cfg.test_batch_size, rank, topo.size, seed=cfg.seed, train=False, device=device)
     steps_per_epoch = len(train_loader)
     local_steps = cfg.local_steps or max(1, round(cfg.local_epochs * steps_per_epoch))
     total_steps = max(1, round(cfg.epochs * steps_per_epoch))
@@ -209,7 +230,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     if cfg.resume:
         state = checkpoint.load(cfg.out, meta, rank, control)
         if state is not None:
-            model.load_state_dict(state["model"])
+            model.load_state_dict(state["model"])   # copies into the tensors on `device`
             opt.load_state_dict(state["optimizer"])
             sched.load_state_dict(state["scheduler"])
             torch.set_rng_state(state["rng"]["torch"])
@@ -233,7 +254,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         checkpoint.save(cfg.out, tag, state, meta, rank, control)
 
     def record(stats: Dict[str, Any], running: Dict[str, float], with_eval: bool) -> Dict[str, Any]:
-        parts = control.allgather_object((running["loss"], running["correct"], running["count"]))
+        parts = control.allgather_object((float(running["loss"]), int(running["correct"]), running["count"]))
         n = max(1, sum(p[2] for p in parts))
         rec = {"event": "round", "method": cfg.method, "round": stats["rounds"], "step": step,
                "epoch": step / steps_per_epoch, "wall_s": wall, "lr": sched.get_last_lr()[0],
@@ -252,7 +273,11 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     model.train()
     bar = tqdm(total=total_steps, initial=step, disable=not (cfg.progress and is_main), unit="step",
                dynamic_ncols=True, mininterval=0.5, desc=f"{cfg.method} {cfg.model}")
-    running = {"loss": 0.0, "correct": 0, "count": 0}
+
+    def zero() -> Dict[str, Any]:   # summed on the device: no host sync per step
+        return {"loss": torch.zeros((), device=device), "correct": torch.zeros((), dtype=torch.long, device=device),
+                "count": 0}
+    running = zero()
     last = {"test_acc": None, "inter_bytes": 0}
     t_start, wall = time.perf_counter(), wall_offset
     rounds_seen = rounds_at_start = opt.stats()["rounds"]
@@ -269,8 +294,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
             opt.step()
             sched.step()
             step += 1
-            running["loss"] += float(loss.detach()) * len(y)
-            running["correct"] += int((out.argmax(1) == y).sum())
+            running["loss"] += loss.detach() * len(y)
+            running["correct"] += (out.argmax(1) == y).sum()
             running["count"] += len(y)
             if step == total_steps and not per_epoch and hasattr(opt, "consensus") \
                     and opt.stats()["rounds"] == rounds_seen and step % local_steps:
@@ -282,20 +307,22 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                 wall = wall_offset + time.perf_counter() - t_start
                 with_eval = rounds_seen % cfg.eval_every == 0 or step == total_steps
                 rec = record(stats, running, with_eval)
-                running = {"loss": 0.0, "correct": 0, "count": 0}
+                running = zero()
                 last.update({k: rec[k] for k in ("test_acc", "inter_bytes") if rec[k] is not None})
                 if cfg.checkpoint_every and rounds_seen and rounds_seen % cfg.checkpoint_every == 0:
                     save_checkpoint(step)
-                if cfg.stop_after_rounds is not None and rounds_seen - rounds_at_start >= cfg.stop_after_rounds and step < total_steps:
+                if cfg.stop_after_rounds is not None and step < total_steps \
+                        and rounds_seen - rounds_at_start >= cfg.stop_after_rounds:
                     if not (cfg.checkpoint_every and rounds_seen % cfg.checkpoint_every == 0):
                         save_checkpoint(step)
                     stopped = rounds_seen
                 t_start, wall_offset = time.perf_counter(), wall  # eval and checkpoints are not training time
             bar.update(1)
-            bar.set_postfix(epoch=f"{step / steps_per_epoch:.1f}", loss=f"{float(loss.detach()):.3f}",
-                            acc="-" if last["test_acc"] is None else f"{100 * last['test_acc']:.1f}%",
-                            density=f"{stats.get('density', 1.0):.2f}",
-                            inter_MB=f"{last['inter_bytes'] / 2**20:.1f}", refresh=False)
+            if bar.n % 10 == 0 or step == total_steps:
+                bar.set_postfix(epoch=f"{step / steps_per_epoch:.1f}", loss=f"{float(loss.detach()):.3f}",
+                                acc="-" if last["test_acc"] is None else f"{100 * last['test_acc']:.1f}%",
+                                density=f"{stats.get('density', 1.0):.2f}",
+                                inter_MB=f"{last['inter_bytes'] / 2**20:.1f}", refresh=False)
             if stopped is not None or step >= total_steps:
                 break
     bar.close()
@@ -323,9 +350,10 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                "density": summary["density"], "layer_density": summary["layer_density"]})
     if is_main:
         checkpoint.atomic_torch_save(os.path.join(cfg.out, "final_model.pt"),
-                                     {"model": cfg.model, "state_dict": model.state_dict(),
+                                     {"model": cfg.model,
+                                      "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
                                       "sparsity": str(cfg.sparsity), "num_classes": data.num_classes,
                                       "in_channels": data.in_channels, "image_size": data.image_size,
-                                      "dataset": cfg.dataset})
+                                      "dataset": cfg.dataset})  # state_dict on cpu: loads anywhere
         checkpoint.atomic_write_json(os.path.join(cfg.out, "summary.json"), summary)
     return summary

@@ -69,7 +69,8 @@ def test_metrics_summary_and_final_model(full_run):
     model.eval()
     data = load_dataset("digits", image_size=blob["image_size"])
     with torch.no_grad():
-        correct = sum(int((model(x).argmax(1) == y).sum()) for x, y in ShardedLoader(data, 64, 0, 1, train=False).batches())
+        batches = ShardedLoader(data, 64, 0, 1, train=False).batches()
+        correct = sum(int((model(x).argmax(1) == y).sum()) for x, y in batches)
     assert correct / len(data.test_y) == pytest.approx(summary["final_test_acc"], abs=1e-12)
     kept = total = 0
     for name, w in blob["state_dict"].items():
