@@ -41,7 +41,8 @@ def expected_ledger(rank: int, backend: str) -> dict:
     gather_wire = 180 + 180 + sum(sizes) - sizes[(rank + 1) % 4]
     bcast_wire = 0 if rank == 1 else 100 * F32          # chain 2→3→0→1
     exp["world"] = {
-        "allreduce": (1, 7 * I64, 2 * 3 * 7 * I64 // 4, 2 * 3 * 7 * I64 // 4 if crosses else 0),
+        "allreduce": (2, 7 * I64 + 5 * F32, 2 * 3 * (7 * I64 + 5 * F32) // 4,      # sum, then max
+                      2 * 3 * (7 * I64 + 5 * F32) // 4 if crosses else 0),
         "bor": (len(bor_bytes), sum(bor_bytes), sum(2 * 3 * b // 4 for b in bor_bytes),
                 sum(2 * 3 * b // 4 for b in bor_bytes) if crosses else 0),
         "broadcast": (1, 100 * F32, bcast_wire, bcast_wire if rank == 3 else 0),

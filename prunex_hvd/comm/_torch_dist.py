@@ -46,7 +46,7 @@ class TorchDistCommunicator(Communicator):
         if op == "avg" and self.reduce_avg_natively:
             dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=self.pg)
             return
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.pg)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.pg)
         if op == "avg":
             tensor.div_(self.size)
 

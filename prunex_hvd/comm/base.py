@@ -14,7 +14,7 @@ import torch
 
 from .accounting import CommLedger, CommRecord, ledger as default_ledger, ring_cross_node_bytes, ring_sent_bytes
 
-REDUCE_OPS = ("sum", "avg")
+REDUCE_OPS = ("sum", "avg", "max")
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -48,7 +48,7 @@ class Communicator:
 
     # -- public, accounted -------------------------------------------------------------------------
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In-place allreduce; ``op`` is ``"sum"`` or ``"avg"``. Returns ``tensor``."""
+        """In-place allreduce; ``op`` is ``"sum"``, ``"avg"`` or ``"max"``. Returns ``tensor``."""
         if op not in REDUCE_OPS:
             raise ValueError(f"allreduce op must be one of {REDUCE_OPS}, got {op!r}")
         self._check(tensor, "allreduce_")

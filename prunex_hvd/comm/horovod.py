@@ -48,7 +48,7 @@ class HorovodCommunicator(Communicator):
         self._maybe_stage(HorovodCommunicator._allreduce_impl, tensor, op)
 
     def _allreduce_impl(self, tensor, op):
-        self.hvd.allreduce_(tensor, op=self.hvd.Average if op == "avg" else self.hvd.Sum,
+        self.hvd.allreduce_(tensor, op={"avg": self.hvd.Average, "max": self.hvd.Max}.get(op, self.hvd.Sum),
                             name=self._name("allreduce"), process_set=self.process_set)
 
     def _bor(self, mask):

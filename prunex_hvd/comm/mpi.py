@@ -31,7 +31,7 @@ class MPICommunicator(Communicator):
 
     @staged_on_cpu
     def _allreduce(self, tensor, op):
-        self.comm.Allreduce(self.MPI.IN_PLACE, _buf(tensor), op=self.MPI.SUM)
+        self.comm.Allreduce(self.MPI.IN_PLACE, _buf(tensor), op=self.MPI.MAX if op == "max" else self.MPI.SUM)
         if op == "avg":
             tensor.div_(self.size)
 

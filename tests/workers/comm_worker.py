@@ -52,6 +52,10 @@ def exercise(px, backend, topo, device):
     t = torch.full((7,), r, dtype=torch.int64, device=device)
     g.world.allreduce_(t, "sum")
     close(t, torch.full_like(t, sum(range(topo.size))), "world allreduce sum")
+    t = torch.tensor([float(r), -float(r), 0.5, float(r % 2), 1e-3 * r], **f32)
+    g.world.allreduce_(t, "max")
+    n = topo.size
+    close(t, torch.tensor([n - 1.0, 0.0, 0.5, 1.0 if n > 1 else 0.0, 1e-3 * (n - 1)], **f32), "world allreduce max")
 
     # bitwise-or of masks: 0/1 masks everywhere, bit patterns where the backend has BOR
     def mask_of(q, n=33):
