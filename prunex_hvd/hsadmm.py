@@ -25,7 +25,7 @@ import torch
 
 from . import admm, sparsity
 from .buckets import BucketLayout
-from .comm.accounting import ledger as default_ledger
+from .comm.accounting import ledger as default_ledger, ring_cross_node_bytes
 
 
 @dataclass
@@ -98,7 +98,7 @@ class HSADMM:
         self.frozen = False
         self.stable_rounds = 0
         self.mask_drift = 0.0
-        self.bytes = {"inter": 0, "intra": 0, "world": 0, "inter_consensus": 0, "dense_inter": 0}
+        self.bytes = {"inter": 0, "intra": 0, "inter_consensus": 0, "dense_inter": 0}
         self._dense = self._layout([e.param.numel() for e in self.entries])
         self._compact: Optional[BucketLayout] = None
         self._support: Optional[List[torch.Tensor]] = None   # dense masks of the retraining phase
@@ -190,7 +190,7 @@ class HSADMM:
 
         # 4. shrink z_i + v_i onto the global support; leaders average across nodes; 5. compact broadcast
         layout = self._compact_layout()
-        if topo.is_leader:
+        if topo.is_leader or M == 1:   # one node: z = z_i + v, every rank has it, nothing to exchange
             for k, e in enumerate(self.entries):
                 c = z_i_new[k] + e.v
                 if e.structured:
@@ -200,7 +200,7 @@ class HSADMM:
             for j in range(len(self.buffers)):
                 torch.div(self._dense.views[n + j], P, out=layout.views[n + j])
         with self.ledger.tagged("consensus"):
-            for buf in layout.buffers:
+            for buf in layout.buffers if M > 1 else ():
                 if topo.is_leader:
                     g.inter.allreduce_(buf, "avg")
                 g.intra.broadcast_(buf, root=0)
@@ -264,9 +264,10 @@ class HSADMM:
             return
         flat = torch.cat([torch.cat([r, c]) for r, c in local]).to(torch.uint8)
         with self.ledger.tagged("masks"):
-            if self.topo.is_leader:
-                self.groups.inter.bor_(flat)
-            self.groups.intra.broadcast_(flat, root=0)
+            if self.topo.num_nodes > 1:   # one node: every rank projected the same z_i already
+                if self.topo.is_leader:
+                    self.groups.inter.bor_(flat)
+                self.groups.intra.broadcast_(flat, root=0)
         flat = flat.bool()
         changed = kept_total = 0
         offset = 0
@@ -306,22 +307,29 @@ class HSADMM:
 
     def _report(self, before, seconds, compact_numel: int) -> dict:
         """Bytes of the round as the ring model puts them on the wire: ``inter`` = what crossed node
-        boundaries, ``intra`` = what moved inside nodes (a one-member group moves nothing). The consensus
-        and its dense counterfactual are counted the same way, so their ratio is exact."""
-        after = self.ledger.summary(by_op=False)
-        delta = {"inter": after["total"]["cross_node_bytes"] - before["total"]["cross_node_bytes"],
-                 "intra": after["intra"]["wire_bytes"] - before["intra"]["wire_bytes"],
-                 "world": after["world"]["wire_bytes"] - before["world"]["wire_bytes"]}
-        M = self.topo.num_nodes
-        per_element = self.dtype.itemsize * 2 * (M - 1) / M if self.topo.is_leader else 0  # ring allreduce
-        consensus = round(compact_numel * per_element)
-        dense = round(self._dense.total_numel * per_element)
-        for t, b in delta.items():
-            self.bytes[t] += b
+        boundaries, ``intra`` = the rest. The consensus exchange and its dense counterfactual are counted
+        on the group that carries it (the leaders; the one group of a flat consensus), so their ratio is
+        exact."""
+        after = self.ledger.summary(by_op=False)["total"]
+        cross = after["cross_node_bytes"] - before["total"]["cross_node_bytes"]
+        wire = after["wire_bytes"] - before["total"]["wire_bytes"]
+        if self.topo.num_nodes > 1:
+            carrier = self.groups.inter       # None on non-leaders: they send nothing across
+        else:                                 # flat: every rank's dense θ+u sum is the exchange
+            carrier, compact_numel = self.groups.intra, self._dense.total_numel
+
+        def on_carrier(numel: int) -> int:
+            if carrier is None:
+                return 0
+            sizes = [numel * self.dtype.itemsize] * carrier.size
+            return ring_cross_node_bytes("allreduce", sizes, carrier.rank, carrier.nodes)
+        consensus, dense = on_carrier(compact_numel), on_carrier(self._dense.total_numel)
+        self.bytes["inter"] += cross
+        self.bytes["intra"] += wire - cross
         self.bytes["inter_consensus"] += consensus
         self.bytes["dense_inter"] += dense
-        return {"round": self.round, "seconds": seconds, "inter_bytes": delta["inter"],
-                "intra_bytes": delta["intra"], "consensus_bytes": consensus, "dense_inter_bytes": dense,
+        return {"round": self.round, "seconds": seconds, "inter_bytes": cross, "intra_bytes": wire - cross,
+                "consensus_bytes": consensus, "dense_inter_bytes": dense,
                 "density": self.density(), "mask_drift": self.mask_drift, "frozen": self.frozen}
 
     def density(self) -> float:

@@ -24,6 +24,9 @@ Tuning (what each knob does to speed and accuracy):
   enough to leave epochs for it (a third to a half of the run works well).
 * ``weight_decay_z`` — λ of the z-step (a ridge on the consensus itself); 0 leaves decay to the optimizer.
 * ``bucket_mb`` — size of the flat buffers packed for each collective (one collective per bucket).
+* ``hierarchical=False`` — the paper's "PruneX (AR)" ablation: one flat consensus over the world group
+  (every rank allreduces its dense θ + u, the projection applies to the global variable). Same math with
+  M = 1 node of all ranks; it shows what the hierarchy saves.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import torch
 
 from . import runtime, sparsity
 from .comm import groups as comm_groups
+from .comm.base import Groups, SingleCommunicator
 from .hsadmm import HSADMM
 
 
@@ -41,13 +45,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the user's optimizer class (as Horovod does), so schedulers and isinstance checks work."""
 
     def __init__(self, params, model, sparsity_spec, local_steps, rho1, rho2, rho_max, adaptive_rho,
-                 weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain):
+                 weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain, hierarchical):
         super(self.__class__, self).__init__(params)
         topo = runtime.topology() if runtime.is_initialized() else runtime.init(backend=backend)
         specs = sparsity.resolve_specs(model.named_parameters(), sparsity_spec)
         self._local_steps = local_steps
         self._step_count_local = 0
-        self._engine = HSADMM(model, topo, comm_groups(backend),
+        groups = comm_groups(backend)
+        if not hierarchical:   # PruneX (AR): one consensus group over the world, no leaders' tier
+            topo, groups = topo.flattened(), Groups(
+                world=groups.world, intra=groups.world, backend=groups.backend,
+                inter=SingleCommunicator("inter", [topo.rank], [topo.node], 0) if topo.rank == 0 else None)
+        self._engine = HSADMM(model, topo, groups,
                               specs, rho1, rho2, rho_max, adaptive_rho, weight_decay_z, freeze_round,
                               freeze_patience, bucket_mb, masked_retrain=masked_retrain)
         self._last_report: Optional[dict] = None
@@ -109,7 +118,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
                          local_steps: int = 100, rho1: float = 1.5e-3, rho2: float = 1.5e-4, rho_max: float = 10.0,
                          adaptive_rho: bool = True, weight_decay_z: float = 0.0, freeze_round: Optional[int] = None,
                          freeze_patience: int = 3, bucket_mb: float = 32, backend: str = "auto",
-                         masked_retrain: bool = True):
+                         masked_retrain: bool = True, hierarchical: bool = True):
     """Wrap ``optimizer`` (over ``model``'s parameters) to train with H-SADMM; see the module docstring for
     the knobs. Collective: every rank constructs it, and rank 0's parameters and float buffers are broadcast
     to all. Returns an instance of the optimizer's own class with ``consensus()``, ``finalize()``,
@@ -135,7 +144,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         raise ValueError(f"the optimizer holds parameters that are not the model's (param groups {sorted(set(stray))})")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, model, sparsity, local_steps, rho1, rho2, rho_max, adaptive_rho,
-                  weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain)
+                  weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain, hierarchical)
     inner_state = optimizer.state_dict()
     if inner_state["state"]:
         super(cls, wrapped).load_state_dict(inner_state)

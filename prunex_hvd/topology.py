@@ -49,6 +49,11 @@ class Topology:
                 return node
         raise ValueError(f"rank {rank} is not in a world of {self.size}")
 
+    def flattened(self) -> "Topology":
+        """The same ranks seen as one node: a flat consensus (every rank in one group, no leaders' tier)."""
+        return Topology(rank=self.rank, size=self.size, local_rank=self.rank, local_size=self.size, node=0,
+                        num_nodes=1, node_ranks=(tuple(range(self.size)),), launcher=self.launcher, grouping="flat")
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d["node_ranks"] = [list(r) for r in self.node_ranks]
