@@ -1,0 +1,117 @@
+"""``dense``: plain data-parallel training, as everyone runs it: every step, every gradient is averaged
+over all ranks.
+
+Under Horovod (horovodrun, or mpirun with Horovod installed) this *is* ``horovod.torch.DistributedOptimizer``
+(tensor fusion, gradients allreduced while backward runs), with our byte counters wrapped around its
+``synchronize()``: one record per step for the fused allreduce of all gradients, on the world group, under
+the same ring model as every other method. Without Horovod it is the torch.distributed equivalent: the
+gradients packed into ``bucket_mb`` buckets and allreduce-averaged over the world group after backward.
+
+Nothing to tune: it is the reference every other method must beat on bytes without losing accuracy.
+"""
+from __future__ import annotations
+
+import time
+import types
+from typing import Optional
+
+import torch
+
+from .. import runtime
+from ..comm import groups as comm_groups
+from ..comm.accounting import CommRecord, ring_cross_node_bytes, ring_sent_bytes
+from .common import MethodOptimizer, Traffic, broadcast_model, flat_layout, mix_into
+
+
+class _Allreduce(MethodOptimizer):
+    """The torch.distributed equivalent of Horovod's optimizer: bucketed allreduce-avg of the gradients."""
+
+    def __init__(self, params, model, world, bucket_mb):
+        super(self.__class__, self).__init__(params)
+        self._method_setup(model, world)
+        self._layout = flat_layout(self._params, bucket_mb)
+
+    def _communicate(self) -> None:
+        for k, p in enumerate(self._params):
+            if p.grad is None:   # a parameter unused this step still takes part: same buckets everywhere
+                p.grad = torch.zeros_like(p)
+            self._layout.views[k].copy_(p.grad.reshape(-1))
+        for buf in self._layout.buffers:
+            self._world.allreduce_(buf, "avg")
+        for k, p in enumerate(self._params):
+            p.grad.copy_(self._layout.views[k].view_as(p.grad))
+
+
+def _account_horovod(opt, model, world) -> None:
+    """Wrap counters around Horovod's own optimizer: its ``synchronize()`` waits for the fused allreduce of
+    every gradient; we record that allreduce under the ring model and add the method's interface."""
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    traffic = Traffic(world.ledger)
+    state = {"steps": 0}
+    synchronize = opt.synchronize
+
+    def accounted_synchronize(self):
+        t0 = time.perf_counter()
+        synchronize()
+        payload = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+        sizes = [payload] * world.size
+        wire = ring_sent_bytes("allreduce", sizes, world.rank)
+        cross = ring_cross_node_bytes("allreduce", sizes, world.rank, world.nodes)
+        world.ledger.add(CommRecord(op="allreduce", tier="world", backend="horovod", payload_bytes=payload,
+                                    wire_bytes=wire, cross_node_bytes=cross, seconds=time.perf_counter() - t0,
+                                    tag="gradients"))
+        traffic.inter += cross
+        traffic.intra += wire - cross
+        state["steps"] += 1
+
+    def stats(self):
+        return {"rounds": state["steps"], "steps": state["steps"], "inter_bytes": traffic.inter,
+                "intra_bytes": traffic.intra, "dense_inter_bytes": traffic.inter, "density": 1.0,
+                "layer_density": {}}
+
+    base_state_dict, base_load = opt.state_dict, opt.load_state_dict
+
+    def state_dict(self):
+        sd = base_state_dict()
+        sd["method"] = {"steps": state["steps"], "traffic": traffic.state()}
+        return sd
+
+    def load_state_dict(self, sd):
+        sd = dict(sd)
+        method = sd.pop("method", None)
+        if method is None:
+            raise ValueError("this state dict has no 'method' state for dense: save it with the wrapped "
+                             "optimizer's state_dict()")
+        base_load(sd)
+        state["steps"] = int(method["steps"])
+        traffic.load(method["traffic"])
+
+    # instance attributes, not a subclass: Horovod's class calls super(self.__class__, self)
+    opt._model, opt._world = model, world
+    opt.synchronize = types.MethodType(accounted_synchronize, opt)
+    opt.stats = types.MethodType(stats, opt)
+    opt.state_dict = types.MethodType(state_dict, opt)
+    opt.load_state_dict = types.MethodType(load_state_dict, opt)
+    opt.consensus_weights = types.MethodType(MethodOptimizer.consensus_weights, opt)
+    opt.finalize = types.MethodType(MethodOptimizer.finalize, opt)
+    opt.records_per_epoch = True
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, bucket_mb: float = 32,
+                         backend: Optional[str] = None):
+    """Dense data-parallel training of ``model`` with ``optimizer``: Horovod's DistributedOptimizer when
+    launched under Horovod, else a bucketed allreduce over the world group. Collective; rank 0's model is
+    broadcast first. Returns the wrapped optimizer with ``stats()`` and the harness interface."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not (bucket_mb > 0):
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
+    topo = runtime.topology() if runtime.is_initialized() else runtime.init(backend=backend or "auto")
+    world = comm_groups(backend).world
+    broadcast_model(model, world)
+    if topo.launcher == "horovod":
+        import horovod.torch as hvd
+        opt = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        _account_horovod(opt, model, world)
+        return opt
+    return mix_into(optimizer, _Allreduce, model, world, bucket_mb)
