@@ -7,6 +7,9 @@
     prunex-hvd train --model resnet18 --dataset cifar10 --data-dir data --sparsity channel:0.5 --out runs/NAME ...
         under any launcher: train with --method (PruneX by default); metrics, checkpoints, summary in --out.
 
+    prunex-hvd compare --methods dense,topk,pactrain,prunex-flat,prunex [train options] --out runs/cmp
+        under any launcher: the same training with each method in turn, then a table and the plots.
+
     prunex-hvd report runs/A runs/B ... [--out DIR]
         plots (accuracy vs time and vs inter-node bytes, residuals, density, masks) and a markdown table.
 """
@@ -70,11 +73,42 @@ def _train(args) -> int:
     if "stopped_after_round" in summary or train.runtime.topology().rank != 0:
         return 0
     ratio = summary["inter_bytes"] / summary["dense_inter_bytes"] if summary["dense_inter_bytes"] else float("nan")
-    print(f"final test accuracy {100 * summary['final_test_acc']:.2f}% (the finalized, pruned model)   "
+    print(f"final test accuracy {100 * summary['final_test_acc']:.2f}% (the finalized model)   "
           f"density {summary['density']:.3f}   wall {summary['wall_s']:.1f} s\n"
           f"inter-node traffic {summary['inter_bytes'] / 2**20:.2f} MB; the same rounds exchanged dense: "
           f"{summary['dense_inter_bytes'] / 2**20:.2f} MB ({ratio:.3f}x)")
     print(f"results in {cfg.out}: metrics.jsonl, summary.json, final_model.pt; plots: prunex-hvd report {cfg.out}")
+    return 0
+
+
+def _compare(args) -> int:
+    import os
+
+    from prunex_hvd import methods, report, train
+
+    wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in wanted if m not in methods.METHODS]
+    if unknown or not wanted:
+        raise ValueError(f"--methods takes a comma-separated list of {', '.join(methods.METHODS)}; "
+                         f"got {args.methods!r}")
+    fields = {f.name for f in train.dataclasses.fields(train.TrainConfig)}
+    base = {k: v for k, v in vars(args).items() if k in fields}
+    if isinstance(base["sparsity"], str) and base["sparsity"].lstrip().startswith("{"):
+        base["sparsity"] = json.loads(base["sparsity"])
+    dirs = []
+    for method in wanted:   # one after the other, in the same processes, same data, sampler and counters
+        out = os.path.join(args.out, method)
+        train.train(train.TrainConfig(**dict(base, method=method, out=out)))
+        dirs.append(out)
+    if train.runtime.topology().rank != 0:
+        return 0
+    runs = [report.load_run(d) for d in dirs]
+    made = report.make_report(dirs, os.path.join(args.out, "report"))
+    table = report.comparison_table(runs)
+    with open(os.path.join(args.out, "comparison.md"), "w") as f:
+        f.write(table)
+    print("\n" + table)
+    print(f"runs in {args.out}/<method>; plots and report.md in {made['out_dir']}")
     return 0
 
 
@@ -101,7 +135,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-dir", default=D.data_dir, help="folder holding cifar-10-batches-py/")
     g.add_argument("--image-size", type=int, default=None, help="input side in pixels (default: the model's)")
     g = p.add_argument_group("schedule")
-    g.add_argument("--method", default=D.method, choices=sorted(methods.METHODS))
+    g.add_argument("--method", default=D.method, choices=list(methods.METHODS))
     g.add_argument("--epochs", type=float, default=D.epochs)
     g.add_argument("--local-epochs", type=float, default=D.local_epochs, help="epochs of local steps per round")
     g.add_argument("--local-steps", type=int, default=None, help="steps per round (overrides --local-epochs)")
@@ -127,6 +161,14 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-masked-retrain", dest="masked_retrain", action="store_false",
                    help="after freezing, let θ leave the frozen structure (only z is masked)")
     g.add_argument("--bucket-mb", type=float, default=D.bucket_mb)
+    g = p.add_argument_group("baselines (--method dense | topk | pactrain | prunex-flat)")
+    g.add_argument("--topk-ratio", type=float, default=D.topk_ratio, help="topk: fraction of each layer sent")
+    g.add_argument("--topk-warmup-steps", type=int, default=D.topk_warmup_steps, help="topk: dense steps first")
+    g.add_argument("--pactrain-score", default=D.pactrain_score, choices=("magnitude", "grasp"),
+                   help="pactrain: how weights are scored for pruning (keep ratio from --sparsity)")
+    g.add_argument("--pactrain-patience", type=int, default=D.pactrain_patience,
+                   help="pactrain: steps the mask must hold before gradients travel compacted")
+    g.add_argument("--terngrad", action="store_true", help="pactrain: ternary gradients with a shared scale")
     g = p.add_argument_group("job")
     g.add_argument("--backend", default=D.backend, help="auto, mpi, gloo, nccl or horovod")
     g.add_argument("--ranks-per-node", type=int, default=None,
@@ -159,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model with --method under any launcher")
     _add_train_args(train)
     train.set_defaults(func=_train)
+    cmp_ = sub.add_parser("compare", help="train several --methods in turn on the same setup and tabulate them")
+    _add_train_args(cmp_)
+    cmp_.add_argument("--methods", default="dense,topk,pactrain,prunex-flat,prunex",
+                      help="comma-separated; each run goes to --out/<method>")
+    cmp_.set_defaults(func=_compare, out="runs/compare")
     rep = sub.add_parser("report", help="plots and a markdown table from run folders")
     rep.add_argument("runs", nargs="+")
     rep.add_argument("--out", default=None, help="default: <parent of the first run>/report")

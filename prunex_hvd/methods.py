@@ -19,7 +19,7 @@ import torch
 STATS_KEYS = ("rounds", "steps", "inter_bytes", "intra_bytes", "dense_inter_bytes", "density")
 
 
-def _prunex(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, local_steps: int):
+def _prunex(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, local_steps: int, sample_batch):
     from .optimizer import DistributedOptimizer
     return DistributedOptimizer(optimizer, model, sparsity=cfg.sparsity, local_steps=local_steps, rho1=cfg.rho1,
                                 rho2=cfg.rho2, rho_max=cfg.rho_max, adaptive_rho=cfg.adaptive_rho,
@@ -28,11 +28,42 @@ def _prunex(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, local
                                 masked_retrain=cfg.masked_retrain)
 
 
-METHODS: Dict[str, Callable] = {"prunex": _prunex}
+def _prunex_flat(optimizer, model, cfg, local_steps: int, sample_batch):
+    from .optimizer import DistributedOptimizer
+    return DistributedOptimizer(optimizer, model, sparsity=cfg.sparsity, local_steps=local_steps, rho1=cfg.rho1,
+                                rho2=cfg.rho2, rho_max=cfg.rho_max, adaptive_rho=cfg.adaptive_rho,
+                                weight_decay_z=cfg.weight_decay_z, freeze_round=cfg.freeze_round,
+                                freeze_patience=cfg.freeze_patience, bucket_mb=cfg.bucket_mb, backend=cfg.backend,
+                                masked_retrain=cfg.masked_retrain, hierarchical=False)
 
 
-def wrap(name: str, optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, local_steps: int):
-    """Wrap ``optimizer`` for method ``name`` (collective: every rank calls it with the same arguments)."""
+def _dense(optimizer, model, cfg, local_steps: int, sample_batch):
+    from .baselines import dense
+    return dense.DistributedOptimizer(optimizer, model, bucket_mb=cfg.bucket_mb, backend=cfg.backend)
+
+
+def _topk(optimizer, model, cfg, local_steps: int, sample_batch):
+    from .baselines import topk
+    return topk.DistributedOptimizer(optimizer, model, ratio=cfg.topk_ratio, warmup_steps=cfg.topk_warmup_steps,
+                                     bucket_mb=cfg.bucket_mb, backend=cfg.backend)
+
+
+def _pactrain(optimizer, model, cfg, local_steps: int, sample_batch):
+    from .baselines import pactrain
+    return pactrain.DistributedOptimizer(optimizer, model, sparsity=cfg.sparsity, score=cfg.pactrain_score,
+                                         patience=cfg.pactrain_patience, terngrad=cfg.terngrad,
+                                         bucket_mb=cfg.bucket_mb, backend=cfg.backend, seed=cfg.seed,
+                                         grasp_batch=sample_batch() if cfg.pactrain_score == "grasp" else None)
+
+
+METHODS: Dict[str, Callable] = {"dense": _dense, "topk": _topk, "pactrain": _pactrain, "prunex-flat": _prunex_flat,
+                                "prunex": _prunex}
+
+
+def wrap(name: str, optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, local_steps: int,
+         sample_batch: Callable = None):
+    """Wrap ``optimizer`` for method ``name`` (collective: every rank calls it with the same arguments).
+    ``sample_batch()`` gives one training batch (x, y), for methods that score weights on data (GraSP)."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    return METHODS[name](optimizer, model, cfg, local_steps)
+    return METHODS[name](optimizer, model, cfg, local_steps, sample_batch)

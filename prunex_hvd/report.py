@@ -206,6 +206,23 @@ def markdown_table(runs: list) -> str:
     return "\n".join(out) + "\n"
 
 
+def comparison_table(runs: list) -> str:
+    """Methods side by side (``prunex-hvd compare``): accuracy, density, inter-node bytes and wall time,
+    with bytes and time relative to the ``dense`` run when there is one."""
+    dense = next((r for r in runs if _get(r, "method") == "dense"), None)
+    base_bytes, base_wall = (_get(dense, "inter_bytes"), _get(dense, "wall_s")) if dense else (None, None)
+    head = ["method", "final test acc %", "density", "inter-node MB", "× dense bytes", "wall s", "× dense time"]
+    out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for r in runs:
+        acc, inter, wall = _final_acc(r), _get(r, "inter_bytes"), _get(r, "wall_s")
+        rel = lambda a, b: a / b if _num(a) and _num(b) and b > 0 else None  # noqa: E731
+        out.append("| " + " | ".join([
+            _cell(_get(r, "method")), _fmt(acc * 100 if acc is not None else None, ".2f"),
+            _fmt(_get(r, "density"), ".3f"), _fmt(inter / MB if _num(inter) else None, ".2f"),
+            _fmt(rel(inter, base_bytes), ".3f"), _fmt(wall, ".1f"), _fmt(rel(wall, base_wall), ".2f")]) + " |")
+    return "\n".join(out) + "\n"
+
+
 # ------------------------------------------------------------------------------------------------ figures
 
 def _pyplot():

@@ -60,6 +60,11 @@ class TrainConfig:
     freeze_round: Optional[int] = None
     freeze_patience: int = 3
     masked_retrain: bool = True
+    topk_ratio: float = 0.01                   # topk: fraction of each layer's gradient sent per step
+    topk_warmup_steps: int = 0                 # topk: dense steps first
+    pactrain_score: str = "magnitude"          # pactrain: magnitude | grasp
+    pactrain_patience: int = 3                 # pactrain: steps the mask must hold before compact allreduce
+    terngrad: bool = False                     # pactrain: ternary gradients with a shared scale
     bucket_mb: float = 32
     backend: str = "auto"
     ranks_per_node: Optional[int] = None
@@ -219,7 +224,9 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
 
     base = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                            nesterov=cfg.nesterov)
-    opt = methods.wrap(cfg.method, base, model, cfg, local_steps)
+    train_loader.set_epoch(0)
+    opt = _agreed(control, methods.wrap, cfg.method, base, model, cfg, local_steps,
+                  sample_batch=lambda: next(iter(train_loader.batches())))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(cfg, steps_per_epoch))
 
     meta = {"model": cfg.model, "dataset": cfg.dataset, "method": cfg.method, "sparsity": str(cfg.sparsity),
@@ -287,7 +294,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         epoch, start_batch = divmod(step, steps_per_epoch)
         train_loader.set_epoch(epoch)
         for x, y in train_loader.batches(start=start_batch):
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()   # set_to_none by default; Horovod 0.28 takes no argument
             out = model(x)
             loss = F.cross_entropy(out, y)
             loss.backward()
