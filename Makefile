@@ -7,7 +7,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 export PIP_NO_WARN_SCRIPT_LOCATION := 0
 
-.PHONY: setup test demo bench python clean
+.PHONY: setup test demo compare bench python clean
 
 # idempotent: a second run only checks (seconds); the Horovod wheel is cached in ~/.cache/prunex_hvd
 setup: $(STAMP)
@@ -20,6 +20,9 @@ test: setup
 
 demo: setup
 	bash scripts/demo.sh $(PY)
+
+compare: setup
+	bash scripts/compare.sh $(PY)
 
 bench: setup
 	$(PY) benchmarks/bench_collectives.py

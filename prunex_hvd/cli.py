@@ -119,8 +119,15 @@ def _report(args) -> int:
     return report.main(argv)
 
 
-def _optional_int(text: str):
-    return None if text.lower() in ("none", "") else int(text)
+def _freeze_round(text: str):
+    if text.lower() in ("none", ""):
+        return None
+    if text.lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer, 'auto' or 'none', not {text!r}") from None
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
@@ -148,7 +155,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-schedule", default=D.lr_schedule, choices=("cosine", "constant"))
     g.add_argument("--warmup-epochs", type=float, default=D.warmup_epochs)
     g.add_argument("--seed", type=int, default=D.seed)
-    g = p.add_argument_group("H-SADMM (prunex)")
+    g = p.add_argument_group("H-SADMM (prunex, prunex-flat); defaults are a recipe measured to converge in "
+                             "tens of rounds, the paper's are rho1=1.5e-3 rho2=1.5e-4")
     g.add_argument("--sparsity", default=D.sparsity,
                    help="channel:0.5, filter:0.5+channel:0.5, or JSON {glob: spec}; the number is the KEPT fraction")
     g.add_argument("--rho1", type=float, default=D.rho1)
@@ -156,7 +164,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rho-max", type=float, default=D.rho_max)
     g.add_argument("--no-adaptive-rho", dest="adaptive_rho", action="store_false")
     g.add_argument("--weight-decay-z", type=float, default=D.weight_decay_z)
-    g.add_argument("--freeze-round", type=_optional_int, default=None)
+    g.add_argument("--freeze-round", type=_freeze_round, default=D.freeze_round,
+                   help="round after which masks freeze: N, auto (a third of the planned rounds) or none "
+                        "(only --freeze-patience)")
     g.add_argument("--freeze-patience", type=int, default=D.freeze_patience)
     g.add_argument("--no-masked-retrain", dest="masked_retrain", action="store_false",
                    help="after freezing, let θ leave the frozen structure (only z is masked)")

@@ -69,7 +69,8 @@ def test_prunex_flat_bytes_per_round(compared):
     params, floats = model_sizes()
     dense = 4 * (sum(params) + sum(floats))            # θ+u of every parameter and the BN statistics, one bucket
     residuals = len(params) * 3 * 8                      # per-layer residual sums (float64) ...
-    per_round = ring_allreduce_cross(dense) + ring_allreduce_cross(residuals) + residuals  # ... then a broadcast 0→1→2→3
+    # ... summed, then broadcast down the chain 0→1→2→3 (only 1→2 crosses)
+    per_round = ring_allreduce_cross(dense) + ring_allreduce_cross(residuals) + residuals
     assert s["prunex-flat"]["inter_bytes"] == s["prunex-flat"]["rounds"] * per_round
     assert s["prunex-flat"]["dense_inter_bytes"] == s["prunex-flat"]["rounds"] * ring_allreduce_cross(dense)
 

@@ -31,13 +31,13 @@ class HorovodCommunicator(Communicator):
         self.hvd = _hvd()
         self.process_set = process_set
         self.gpu_ops = self.hvd.nccl_built() or self.hvd.cuda_built()
-        self._calls = 0
 
-    def _name(self, op):
-        # deterministic per group: its members issue the same sequence of collectives (a process-wide
-        # counter would drift between leaders and the rest)
-        self._calls += 1
-        return f"prunex.{self.tier}.{self.ranks[0]}x{self.size}.{op}.{self._calls}"
+    def _name(self, op, tensor, shape=None):
+        # Our collectives are synchronous, so a name only has to tell apart what differs: group, op, dtype
+        # and shape (the same on every member). Stable names keep Horovod's response cache small and warm.
+        shape = tuple(tensor.shape) if shape is None else shape
+        dims = "x".join(map(str, shape)) or "scalar"
+        return f"prunex.{self.tier}.{self.ranks[0]}x{self.size}.{op}.{str(tensor.dtype)[6:]}.{dims}"
 
     def _maybe_stage(self, fn, tensor, *args):
         if tensor.device.type != "cpu" and not self.gpu_ops:
@@ -49,19 +49,19 @@ class HorovodCommunicator(Communicator):
 
     def _allreduce_impl(self, tensor, op):
         self.hvd.allreduce_(tensor, op={"avg": self.hvd.Average, "max": self.hvd.Max}.get(op, self.hvd.Sum),
-                            name=self._name("allreduce"), process_set=self.process_set)
+                            name=self._name("allreduce", tensor), process_set=self.process_set)
 
     def _bor(self, mask):
         self._maybe_stage(HorovodCommunicator._bor_impl, mask)
 
     def _bor_impl(self, mask):
-        self.hvd.allreduce_(mask, op=self.hvd.Max, name=self._name("bor"), process_set=self.process_set)
+        self.hvd.allreduce_(mask, op=self.hvd.Max, name=self._name("bor", mask), process_set=self.process_set)
 
     def _broadcast(self, tensor, root):
         self._maybe_stage(HorovodCommunicator._broadcast_impl, tensor, root)
 
     def _broadcast_impl(self, tensor, root):
-        self.hvd.broadcast_(tensor, root_rank=self.ranks[root], name=self._name("broadcast"),
+        self.hvd.broadcast_(tensor, root_rank=self.ranks[root], name=self._name("broadcast", tensor),
                             process_set=self.process_set)
 
     def _allgather_equal(self, tensor) -> List[torch.Tensor]:
@@ -71,7 +71,8 @@ class HorovodCommunicator(Communicator):
         # Horovod's allgather takes unequal first dimensions itself
         flat = tensor.reshape(1) if tensor.dim() == 0 else tensor
         src = flat if flat.device.type == "cpu" or self.gpu_ops else flat.cpu()
-        out = self.hvd.allgather(src, name=self._name("allgather"), process_set=self.process_set)
+        out = self.hvd.allgather(src, name=self._name("allgather", src, shape=tuple(src.shape[1:])),
+                                  process_set=self.process_set)
         out = out.to(tensor.device)
         return [o.reshape(d) for o, d in zip(torch.split(out, [d[0] if d else 1 for d in dims]), dims)]
 

@@ -48,7 +48,8 @@ def main():
                                     ratio=a.ratio, warmup_steps=a.warmup_steps, bucket_mb=a.bucket_mb,
                                     backend=a.backend)
     start = control.allgather_object([p.detach().clone() for p in model.parameters()])
-    assert all(torch.equal(s, t) for other in start for s, t in zip(other, start[0])), "weights differ after construction"
+    assert all(torch.equal(s, t) for other in start for s, t in zip(other, start[0])), \
+        "weights differ after construction"
     px.comm.reset()
     params = [p for p in model.parameters()]
     numels = [p.numel() for p in params]
