@@ -1,0 +1,586 @@
+"""Emulated cluster: M hosts as network namespaces on one machine, shaped links, every method to one target.
+
+    sudo python benchmarks/emulated_cluster.py --hosts 2 --ranks-per-host 2 --bandwidths 100mbit,1gbit \
+        --methods dense,topk,pactrain,prunex-flat,prunex --target 0.90 --out runs/cluster [--latency 0ms] \
+        [--max-minutes 40] [--run-timeout 600]
+    sudo python benchmarks/emulated_cluster.py --cleanup        # remove what an interrupted run left behind
+
+PacTrain's testbed methodology made real on one box. The script builds
+
+* ``pxh0 … pxh{M-1}``: one network namespace per host, each with one interface ``eth0`` (10.77.0.{k+1}/24)
+  and ``lo``; the ranks of host k run inside it, in their own UTS namespace whose host name is ``pxhk``;
+* ``pxhsw``: the switch, a namespace holding the Linux bridge ``br0`` and the other end of every host's veth;
+* ``pxhrun``: the launcher's namespace (10.77.0.254/24, unshaped link), where ``mpirun`` runs.
+
+All addresses live inside these namespaces; the root namespace gets no address, no route, no device. Each
+host link is shaped in both directions with ``tc`` (tbf at the given rate on the host's ``eth0`` = its
+egress, and on its switch port = its ingress; ``--latency D`` adds a netem delay of D/2 at each of the two,
+so D is the one-way host-to-host latency). Jumbo frames (``--mtu 9000``) and GSO capped at the MTU, so that
+the kernel's counters count the frames a physical NIC would put on the wire.
+
+Ranks are launched by ``mpirun -H pxh0:P,pxh1:P,…`` with ``benchmarks/cluster/nsrsh`` as rsh agent (it runs
+the ``orted`` of host k inside ``pxhk``): Open MPI and Horovod see M real hosts, so node grouping comes from
+the hosts themselves (``PRUNEX_RANKS_PER_NODE`` is not set), ranks of a host talk over shared memory and
+ranks of different hosts over TCP through the shaped links.
+
+Every method runs ``prunex-hvd train`` with the same knobs. Per (bandwidth, method) the JSON record has the
+wall time to target (``wall_s`` of the first ``metrics.jsonl`` round whose ``test_acc`` ≥ target; the
+trainer's ``wall_s`` excludes evaluation and checkpoint time), the final accuracy, the library's own
+``inter_bytes`` (ring model, whole job) and what the kernel counted: ``kernel_inter_bytes`` = Σ over hosts
+of ``tx_bytes`` of ``eth0`` inside the host's namespace (every frame a host sent), minus ``rx_bytes`` of the
+launcher's ``eth0`` (the frames hosts sent to mpirun rather than to another host), read from
+``/sys/class/net/eth0/statistics`` before and after the job (start-up, evaluation and shutdown included).
+``kernel_inter_bytes_switch`` is the same figure counted at the other end of the wire (Σ ``tx_bytes`` of the
+switch ports toward the hosts minus the launcher's ``tx_bytes``): the two agree up to broadcast frames.
+``kernel_inter_payload_bytes_est`` subtracts 66 bytes of Ethernet/IPv4/TCP headers per counted frame (ACKs
+included). Two library figures sit next to them: ``library_inter_bytes`` (``metrics.jsonl``: the method's
+training traffic) and ``library_ledger_cross_node_bytes`` (every collective the accounting layer saw,
+including the initial model broadcast and evaluation bookkeeping; written by ``cluster/train_entry.py``
+into ``ledger.json``). A job stopped by ``--run-timeout`` still reports its time to target if it got there.
+
+Open MPI's ``tuned`` collectives are forced to the ring algorithms (``--collectives ring``, the default) so
+that the wire carries what the library's ring model accounts; ``--collectives default`` leaves Open MPI's
+own choice (for 4 ranks and ~0.3 MB it picks reduce+broadcast, which moves 2B across the cut where the ring
+moves 3B). ``dense`` runs Horovod's own DistributedOptimizer; the other methods send no tensor through
+Horovod, and by default (``--control-plane auto``) run without it, so that Horovod's background negotiation
+does not add unaccounted bytes (``--control-plane horovod`` starts Horovod in every job, the library's
+default under mpirun). ``METHOD@mpi`` / ``METHOD@horovod`` in ``--methods`` pins one job's control plane:
+``dense@mpi`` is dense data parallelism without Horovod (the library's bucketed ring allreduce over mpi4py).
+
+Needs root, ``ip`` (iproute2), ``tc``, ``unshare`` (util-linux) and Open MPI's ``mpirun``. Prints the JSON
+document to stdout and writes it to ``<out>/emulated_cluster.json``; per-run logs and training outputs are in
+``<out>/<bandwidth>/<method>[.log]`` (a previous run's directory of the same name is replaced).
+Everything is torn down on exit, on failure, on Ctrl-C and on SIGTERM.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+AGENT = os.path.join(HERE, "cluster", "nsrsh")
+ENTRY = os.path.join(HERE, "cluster", "train_entry.py")
+
+SUBNET = "10.77.0"
+SWITCH_NS = "pxhsw"
+LAUNCH_NS = "pxhrun"
+HOST_RE = re.compile(r"^pxh\d+$")
+ALL_METHODS = ("dense", "topk", "pactrain", "prunex-flat", "prunex")
+HOROVOD_METHODS = {"dense"}            # methods whose tensors go through Horovod itself
+HEADER_BYTES = 66                      # Ethernet 14 + IPv4 20 + TCP 20 + timestamps 12, per frame
+
+DEFAULT_TRAIN_ARGS = ("--model resnet_small --dataset digits --image-size 16 --epochs 10 --batch-size 16 "
+                      "--lr 0.05 --sparsity channel:0.5 --rho1 0.05 --rho2 0.05 --local-steps 11 "
+                      "--freeze-round 4 --topk-ratio 0.01 --threads 1 --checkpoint-every 0 --no-progress")
+RING_MCA = {"coll_tuned_use_dynamic_rules": "1", "coll_tuned_allreduce_algorithm": "4",
+            "coll_tuned_allgather_algorithm": "4", "coll_tuned_allgatherv_algorithm": "3",
+            "coll_tuned_bcast_algorithm": "2", "coll_tuned_bcast_algorithm_chain_fanout": "1"}
+
+
+class Interrupted(Exception):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[cluster {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def sh(*cmd: str, check: bool = True, capture: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), check=check, text=True,
+                          stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
+                          stderr=subprocess.PIPE)
+
+
+def parse_rate(text: str) -> float:
+    """'100mbit' → bits per second (tc's units: bit, kbit, mbit, gbit)."""
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([kmg]?)bit", text.strip().lower())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"bad bandwidth {text!r}: use e.g. 100mbit, 1gbit, 500kbit")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+def parse_ms(text: str) -> float:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(ms|us|s)?\s*", text.lower())
+    if not m:
+        raise ValueError(f"bad latency {text!r}: use e.g. 0ms, 2ms, 500us")
+    return float(m.group(1)) * {"ms": 1.0, "us": 1e-3, "s": 1e3, None: 1.0}[m.group(2)]
+
+
+# ---------------------------------------------------------------- preflight, cleanup
+
+def preflight() -> Optional[str]:
+    if os.geteuid() != 0:
+        return "must run as root (it creates network namespaces, veth links, a bridge and tc qdiscs)"
+    missing = [t for t in ("ip", "tc", "unshare", "mpirun") if shutil.which(t) is None]
+    if missing:
+        return (f"missing tool(s): {', '.join(missing)} (need iproute2's ip and tc, util-linux's unshare and "
+                "Open MPI's mpirun)")
+    if not os.access(AGENT, os.X_OK):
+        return f"the rsh agent {AGENT} is missing or not executable"
+    r = sh("ip", "netns", "list", check=False, capture=True)
+    if r.returncode:
+        return f"'ip netns' does not work here: {r.stderr.strip()}"
+    return None
+
+
+def our_namespaces() -> List[str]:
+    r = sh("ip", "netns", "list", check=False, capture=True)
+    names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
+    return [n for n in names if HOST_RE.match(n) or n in (SWITCH_NS, LAUNCH_NS)]
+
+
+def kill_namespace_processes(names: List[str]) -> int:
+    """SIGKILL every process still running inside our namespaces (all of them were started by us)."""
+    killed = 0
+    for _ in range(3):
+        pids = set()
+        for ns in names:
+            r = sh("ip", "netns", "pids", ns, check=False, capture=True)
+            pids.update(int(p) for p in r.stdout.split() if p.isdigit())
+        pids.discard(os.getpid())
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+    return killed
+
+
+def become_subreaper() -> None:
+    """Orphans of killed jobs (an orted whose agent died first) are re-parented to us, not to PID 1."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def teardown() -> List[str]:
+    names = our_namespaces()
+    if not names:
+        return []
+    kill_namespace_processes(names)
+    # the switch first: deleting it removes the bridge and the switch end of every veth (and so its peer)
+    for ns in sorted(names, key=lambda n: n != SWITCH_NS):
+        sh("ip", "netns", "delete", ns, check=False)
+    left = our_namespaces()
+    if left:
+        log(f"warning: namespaces still present after teardown: {left}")
+    return names
+
+
+# ---------------------------------------------------------------- build and shape
+
+def in_ns(ns: str, *cmd: str, **kw) -> subprocess.CompletedProcess:
+    return sh("ip", "netns", "exec", ns, *cmd, **kw)
+
+
+def build(hosts: int, mtu: int) -> None:
+    host_names = [f"pxh{k}" for k in range(hosts)]
+    for ns in (SWITCH_NS, LAUNCH_NS, *host_names):
+        sh("ip", "netns", "add", ns)
+        # no IPv6: no router solicitations, DAD or MLD reports on the counted links
+        in_ns(ns, "sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
+                              "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6", check=False)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+    sh("ip", "-n", SWITCH_NS, "link", "add", "br0", "type", "bridge", "forward_delay", "0", "stp_state", "0")
+    sh("ip", "-n", SWITCH_NS, "link", "set", "br0", "mtu", str(mtu))
+    ends = [(ns, f"h{k}", f"{SUBNET}.{k + 1}") for k, ns in enumerate(host_names)]
+    ends.append((LAUNCH_NS, "run", f"{SUBNET}.254"))
+    for ns, port, addr in ends:
+        sh("ip", "-n", SWITCH_NS, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        for where, dev in ((SWITCH_NS, port), (ns, "eth0")):
+            sh("ip", "-n", where, "link", "set", dev, "mtu", str(mtu), "gso_max_size", str(mtu))
+        sh("ip", "-n", SWITCH_NS, "link", "set", port, "master", "br0")
+        sh("ip", "-n", SWITCH_NS, "link", "set", port, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+    sh("ip", "-n", SWITCH_NS, "link", "set", "br0", "up")
+
+
+def shape(hosts: int, rate_bps: float, latency_ms: float, mtu: int) -> Dict[str, str]:
+    """tbf at ``rate`` on both directions of every host link; netem delay latency/2 under each tbf."""
+    burst = max(16 * 1024, 2 * (mtu + 14), int(rate_bps / 8 * 1e-3))   # ≥ 1 ms of line rate
+    rate = f"{int(rate_bps)}bit"
+    cmds = {}
+    for k in range(hosts):
+        for ns, dev in ((f"pxh{k}", "eth0"), (SWITCH_NS, f"h{k}")):
+            sh("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
+            tbf = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", rate,
+                   "burst", str(burst), "latency", "100ms"]
+            sh(*tbf)
+            if latency_ms > 0:
+                r = sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem",
+                       "delay", f"{latency_ms / 2:g}ms", "limit", "100000", check=False)
+                if r.returncode:
+                    raise RuntimeError(f"--latency needs tc's netem qdisc, which this kernel refuses "
+                                       f"({r.stderr.strip()}; module sch_netem missing?): run with --latency 0ms")
+            cmds[f"{ns}/{dev}"] = " ".join(tbf[3:]) + (f" + netem delay {latency_ms / 2:g}ms" if latency_ms else "")
+    return cmds
+
+
+_TPUT = r"""
+import socket, sys, time
+if sys.argv[1] == "server":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((sys.argv[2], 5999)); s.listen(1); s.settimeout(20)
+    c, _ = s.accept(); c.settimeout(20); n, t0 = 0, None
+    while True:
+        b = c.recv(1 << 20)
+        if not b: break
+        if t0 is None: t0 = time.perf_counter()
+        else: n += len(b)
+    print(n * 8 / (time.perf_counter() - t0) / 1e6)
+else:
+    for _ in range(100):
+        try: c = socket.create_connection((sys.argv[2], 5999)); break
+        except OSError: time.sleep(0.05)
+    buf, end = b"x" * (1 << 18), time.perf_counter() + float(sys.argv[3])
+    while time.perf_counter() < end: c.sendall(buf)
+    c.close()
+"""
+
+
+def link_check(seconds: float = 2.0) -> Optional[float]:
+    """TCP goodput pxh0 → pxh1 in Mbit/s (one stream), to confirm the shaping."""
+    server = subprocess.Popen(["ip", "netns", "exec", "pxh1", sys.executable, "-c", _TPUT, "server",
+                               f"{SUBNET}.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        in_ns("pxh0", sys.executable, "-c", _TPUT, "client", f"{SUBNET}.2", str(seconds), check=False)
+        out, _ = server.communicate(timeout=30)
+        return round(float(out.strip()), 1)
+    except (subprocess.TimeoutExpired, ValueError):
+        server.kill()
+        server.wait()
+        return None
+
+
+# ---------------------------------------------------------------- counters
+
+def read_stats(ns: str, dev: str) -> Dict[str, int]:
+    base = f"/sys/class/net/{dev}/statistics"
+    keys = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")
+    r = in_ns(ns, "cat", *(f"{base}/{k}" for k in keys), capture=True)
+    return dict(zip(keys, map(int, r.stdout.split())))
+
+
+def snapshot(hosts: int) -> Dict[str, Dict[str, int]]:
+    snap = {f"pxh{k}/eth0": read_stats(f"pxh{k}", "eth0") for k in range(hosts)}
+    snap.update({f"{SWITCH_NS}/h{k}": read_stats(SWITCH_NS, f"h{k}") for k in range(hosts)})
+    snap[f"{LAUNCH_NS}/eth0"] = read_stats(LAUNCH_NS, "eth0")
+    return snap
+
+
+def kernel_traffic(before, after, hosts: int) -> Dict[str, object]:
+    d = {k: {s: after[k][s] - before[k][s] for s in after[k]} for k in after}
+    run = d[f"{LAUNCH_NS}/eth0"]
+    host_tx = {f"pxh{k}": d[f"pxh{k}/eth0"]["tx_bytes"] for k in range(hosts)}
+    inter = sum(host_tx.values()) - run["rx_bytes"]
+    packets = sum(d[f"pxh{k}/eth0"]["tx_packets"] for k in range(hosts)) - run["rx_packets"]
+    switch = sum(d[f"{SWITCH_NS}/h{k}"]["tx_bytes"] for k in range(hosts)) - run["tx_bytes"]
+    return {"kernel_inter_bytes": inter, "kernel_inter_packets": packets,
+            "kernel_inter_payload_bytes_est": inter - HEADER_BYTES * packets,
+            "kernel_inter_bytes_switch": switch, "kernel_tx_bytes_by_host": host_tx,
+            "kernel_launcher_bytes": run["rx_bytes"] + run["tx_bytes"]}
+
+
+# ---------------------------------------------------------------- one job
+
+def mpirun_command(hosts: int, per_host: int, mca: Dict[str, str], train_argv: List[str]) -> List[str]:
+    cmd = ["ip", "netns", "exec", LAUNCH_NS, "mpirun", "-np", str(hosts * per_host),
+           "-H", ",".join(f"pxh{k}:{per_host}" for k in range(hosts)), "--bind-to", "none",
+           "-x", "PXC_CONTROL_PLANE"]
+    for key, value in mca.items():
+        cmd += ["--mca", key, value]
+    return cmd + [sys.executable, ENTRY, "train", *train_argv]
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def read_metrics(out_dir: str, target: float) -> Dict[str, object]:
+    res = {"time_to_target_s": None, "round_at_target": None, "epoch_at_target": None, "final_test_acc": None,
+           "library_inter_bytes": None, "train_wall_s": None, "num_nodes": None, "ranks_per_node": None,
+           "topology_grouping": None, "launcher": None, "rounds": None}
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return res
+    last = None
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            last = rec
+            if rec.get("event") == "round" and res["time_to_target_s"] is None \
+                    and rec.get("test_acc") is not None and rec["test_acc"] >= target:
+                res.update(time_to_target_s=round(rec["wall_s"], 2), round_at_target=rec["round"],
+                           epoch_at_target=round(rec["epoch"], 2))
+    if last is not None:
+        res.update(library_inter_bytes=last.get("inter_bytes"), train_wall_s=round(last["wall_s"], 2),
+                   final_test_acc=last.get("test_acc"), rounds=last.get("round"))
+    try:
+        with open(os.path.join(out_dir, "summary.json")) as f:
+            s = json.load(f)
+        res.update(final_test_acc=s["final_test_acc"], library_inter_bytes=s["inter_bytes"],
+                   num_nodes=s["num_nodes"], ranks_per_node=s["ranks_per_node"], density=s.get("density"))
+    except (OSError, ValueError, KeyError):
+        pass
+    try:
+        with open(os.path.join(out_dir, "ledger.json")) as f:
+            led = json.load(f)
+        res["library_ledger_cross_node_bytes"] = led["cross_node_bytes"]
+        res["library_ledger_by_op"] = {k: v["cross_node_bytes"] for k, v in led["by_tier_op"].items()
+                                       if v["cross_node_bytes"]}
+    except (OSError, ValueError, KeyError):
+        res["library_ledger_cross_node_bytes"] = None
+    try:
+        with open(os.path.join(out_dir, "config.json")) as f:
+            c = json.load(f)
+        res.update(topology_grouping=c.get("topology_grouping"), launcher=c.get("launcher"))
+    except (OSError, ValueError):
+        pass
+    return res
+
+
+def run_one(args, bw: str, method: str, mca: Dict[str, str], timeout_s: float) -> Dict[str, object]:
+    bw_dir = os.path.join(args.out, bw)
+    out_dir = os.path.join(bw_dir, method)
+    os.makedirs(bw_dir, exist_ok=True)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    name, _, forced = method.partition("@")          # "dense@mpi": this method under that control plane
+    control = forced or ("horovod" if args.control_plane == "horovod" or (
+        args.control_plane == "auto" and name in HOROVOD_METHODS) else "mpi")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PRUNEX_RANKS_PER_NODE", "OMPI_MCA_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PXC_CONTROL_PLANE=control,
+               PXC_HOSTS=" ".join(f"pxh{k}" for k in range(args.hosts)), PYTHONUNBUFFERED="1")
+    train_argv = args.train_args.split() + ["--method", name, "--out", out_dir]
+    cmd = mpirun_command(args.hosts, args.ranks_per_host, mca, train_argv)
+    log(f"{bw} {method}: start (timeout {timeout_s:.0f} s, control plane {control})")
+    before = snapshot(args.hosts)
+    load0 = os.getloadavg()[0]   # other work on the host skews wall times: record the load
+    t0 = time.perf_counter()
+    status, rc = "ok", None
+    with open(out_dir + ".log", "w") as logf:
+        logf.write(" ".join(cmd) + "\n\n")
+        logf.flush()
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+            status = "ok" if rc == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+            kill_group(proc)
+            rc = proc.returncode
+        except BaseException:
+            kill_group(proc)
+            kill_namespace_processes([f"pxh{k}" for k in range(args.hosts)] + [LAUNCH_NS])
+            raise
+    kill_namespace_processes([f"pxh{k}" for k in range(args.hosts)] + [LAUNCH_NS])   # stragglers
+    reap()
+    job_s = time.perf_counter() - t0
+    after = snapshot(args.hosts)
+    rec = {"bandwidth": bw, "method": method, "status": status, "rc": rc, "job_wall_s": round(job_s, 1),
+           "control_plane": control, "out": out_dir, "loadavg_1m_before_after": [load0, os.getloadavg()[0]]}
+    rec.update(read_metrics(out_dir, args.target))
+    rec.update(kernel_traffic(before, after, args.hosts))
+    lib = rec.get("library_inter_bytes")
+    led = rec.get("library_ledger_cross_node_bytes")
+    for label, num in (("kernel", rec["kernel_inter_bytes"]), ("payload_est", rec["kernel_inter_payload_bytes_est"])):
+        rec[f"{label}_over_library"] = round(num / lib, 4) if lib else None
+        rec[f"{label}_over_ledger"] = round(num / led, 4) if led else None
+    log(f"{bw} {method}: {status} in {job_s:.0f} s; to target {rec['time_to_target_s']} s, "
+        f"final acc {rec['final_test_acc']}, kernel {rec['kernel_inter_bytes']} B vs library {lib} B "
+        f"(x{rec['kernel_over_library']}), ledger {led} B (x{rec['kernel_over_ledger']}, "
+        f"payload est x{rec['payload_est_over_ledger']})")
+    return rec
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hosts", type=int, default=2, help="emulated hosts M (namespaces)")
+    p.add_argument("--ranks-per-host", type=int, default=2, help="ranks P on every host")
+    p.add_argument("--bandwidths", default="100mbit,1gbit", help="comma list, tc units (kbit, mbit, gbit)")
+    p.add_argument("--latency", default="0ms", help="one-way host-to-host latency added with netem (e.g. 2ms)")
+    p.add_argument("--mtu", type=int, default=9000, help="MTU of every link (GSO is capped to it)")
+    p.add_argument("--methods", default=",".join(ALL_METHODS),
+                   help="comma list; METHOD@mpi or METHOD@horovod runs it under that control plane "
+                        "(dense@mpi: the library's bucketed allreduce over mpi4py instead of Horovod's optimizer)")
+    p.add_argument("--target", type=float, default=0.90, help="test accuracy that counts as reached")
+    p.add_argument("--train-args", default=DEFAULT_TRAIN_ARGS,
+                   help="arguments for `prunex-hvd train`, the same for every method (--method and --out are added)")
+    p.add_argument("--collectives", choices=("ring", "default"), default="ring",
+                   help="ring: force Open MPI's ring allreduce/allgather(v) (what the library accounts); "
+                        "default: Open MPI's own choice")
+    p.add_argument("--control-plane", choices=("auto", "horovod", "mpi"), default="auto",
+                   help="auto: Horovod only in the jobs whose tensors go through it (dense); horovod: every "
+                        "job (the library's default under mpirun); mpi: none (dense then is the library's "
+                        "bucketed allreduce, not Horovod's optimizer)")
+    p.add_argument("--run-timeout", type=float, default=600, help="seconds per job before its mpirun is killed")
+    p.add_argument("--max-minutes", type=float, default=40, help="whole benchmark; jobs beyond it are skipped")
+    p.add_argument("--out", default="runs/cluster")
+    p.add_argument("--keep", action="store_true", help="leave the namespaces up at the end (debugging)")
+    p.add_argument("--cleanup", action="store_true", help="only remove leftovers of an earlier run, then exit")
+    args = p.parse_args(argv)
+
+    problem = preflight()
+    if problem:
+        print(f"emulated_cluster: refusing to run: {problem}", file=sys.stderr)
+        return 2
+    if args.cleanup:
+        removed = teardown()
+        print(json.dumps({"removed_namespaces": removed}))
+        return 0
+    try:
+        bandwidths = [b.strip() for b in args.bandwidths.split(",") if b.strip()]
+        rates = {b: parse_rate(b) for b in bandwidths}
+        latency_ms = parse_ms(args.latency)
+    except ValueError as exc:
+        p.error(str(exc))
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m.partition("@")[0] not in ALL_METHODS
+               or m.partition("@")[2] not in ("", "mpi", "horovod")]
+    if unknown:
+        p.error(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
+    if not (1 <= args.hosts <= 250) or args.ranks_per_host < 1:
+        p.error("need 1 <= --hosts <= 250 and --ranks-per-host >= 1")
+    if "--method" in args.train_args.split() or "--out" in args.train_args.split():
+        p.error("--train-args must not hold --method or --out (the script sets them)")
+    leftovers = our_namespaces()
+    if leftovers:
+        print(f"emulated_cluster: namespaces of an earlier run are still there ({', '.join(leftovers)}): "
+              "run with --cleanup first", file=sys.stderr)
+        return 2
+    args.out = os.path.abspath(args.out)
+    os.makedirs(args.out, exist_ok=True)
+
+    mca = {"plm_rsh_agent": AGENT, "plm_rsh_no_tree_spawn": "1", "orte_keep_fqdn_hostnames": "1",
+           "oob_tcp_if_include": f"{SUBNET}.0/24", "btl_tcp_if_include": f"{SUBNET}.0/24",
+           "btl": "self,vader,tcp", "rmaps_base_oversubscribe": "1"}
+    if args.collectives == "ring":
+        mca.update(RING_MCA)
+
+    def on_signal(signum, _frame):
+        raise Interrupted(f"signal {signum}")
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    become_subreaper()
+
+    deadline = time.monotonic() + 60 * args.max_minutes
+    doc = {"cluster": {"hosts": args.hosts, "ranks_per_host": args.ranks_per_host, "mtu": args.mtu,
+                       "gso_max_size": args.mtu, "latency_one_way_ms": latency_ms,
+                       "namespaces": {"hosts": [f"pxh{k}" for k in range(args.hosts)], "switch": SWITCH_NS,
+                                      "launcher": LAUNCH_NS},
+                       "addresses": {**{f"pxh{k}": f"{SUBNET}.{k + 1}/24" for k in range(args.hosts)},
+                                     LAUNCH_NS: f"{SUBNET}.254/24"},
+                       "kernel_bytes": "sum over hosts of /sys/class/net/eth0/statistics/tx_bytes inside each "
+                                       "host namespace, minus rx_bytes of the launcher's eth0; whole job",
+                       "shaping": {}, "link_check_mbit": {}},
+           "mpirun_mca": mca, "collectives": args.collectives, "control_plane": args.control_plane,
+           "train_args": args.train_args, "target": args.target, "results": [], "summary": {}}
+    status = 0
+    try:
+        log(f"building {args.hosts} hosts x {args.ranks_per_host} ranks (mtu {args.mtu})")
+        build(args.hosts, args.mtu)
+        for bw in bandwidths:
+            doc["cluster"]["shaping"][bw] = shape(args.hosts, rates[bw], latency_ms, args.mtu)
+            if args.hosts >= 2:
+                doc["cluster"]["link_check_mbit"][bw] = link_check()
+                log(f"{bw}: one TCP stream pxh0 -> pxh1 gets {doc['cluster']['link_check_mbit'][bw]} Mbit/s")
+            for method in methods:
+                left = deadline - time.monotonic()
+                if left < 30:
+                    doc["results"].append({"bandwidth": bw, "method": method, "status": "skipped",
+                                           "reason": "--max-minutes reached"})
+                    log(f"{bw} {method}: skipped (--max-minutes reached)")
+                    continue
+                doc["results"].append(run_one(args, bw, method, mca, min(args.run_timeout, left)))
+    except (KeyboardInterrupt, Interrupted) as exc:
+        log(f"interrupted ({exc or 'Ctrl-C'}): tearing down")
+        doc["interrupted"] = True
+        status = 130
+    except RuntimeError as exc:
+        log(f"failed: {exc}")
+        doc["error"] = str(exc)
+        status = 2
+    except subprocess.CalledProcessError as exc:
+        log(f"failed: {' '.join(exc.cmd)}: {(exc.stderr or '').strip()}")
+        doc["error"] = f"{' '.join(exc.cmd)}: {(exc.stderr or '').strip()}"
+        status = 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if args.keep and status == 0:
+            log("--keep: namespaces left up; remove them with --cleanup")
+        else:
+            teardown()
+        reap()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    for bw in bandwidths:
+        rows = {r["method"]: r for r in doc["results"] if r["bandwidth"] == bw and r.get("status") != "skipped"}
+        dense_t = (rows.get("dense") or {}).get("time_to_target_s")
+        dense_mpi_t = (rows.get("dense@mpi") or {}).get("time_to_target_s")
+        summary = {}
+        for m, r in rows.items():
+            t = r.get("time_to_target_s")
+            r["speedup_to_target_vs_dense"] = round(dense_t / t, 2) if dense_t and t else None
+            if "dense@mpi" in rows:
+                r["speedup_to_target_vs_dense_mpi"] = round(dense_mpi_t / t, 2) if dense_mpi_t and t else None
+            summary[m] = {"time_to_target_s": t, "speedup_vs_dense": r["speedup_to_target_vs_dense"],
+                          "final_test_acc": r.get("final_test_acc"), "kernel_over_library": r.get("kernel_over_library"),
+                          "kernel_over_ledger": r.get("kernel_over_ledger")}
+            if "dense@mpi" in rows:
+                summary[m]["speedup_vs_dense_mpi"] = r["speedup_to_target_vs_dense_mpi"]
+        if "prunex" in rows and "dense" in rows:
+            sp = rows["prunex"]["speedup_to_target_vs_dense"]
+            summary["prunex_at_least_3x_faster_than_dense"] = None if sp is None else sp >= 3
+        doc["summary"][bw] = summary
+    text = json.dumps(doc, indent=2)
+    with open(os.path.join(args.out, "emulated_cluster.json"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
