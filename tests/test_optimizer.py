@@ -9,14 +9,7 @@ import torch.nn as nn
 import prunex_hvd as px
 
 
-@pytest.fixture(autouse=True)
-def single_process(monkeypatch):
-    for var in list(__import__("os").environ):
-        if var.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_")) or var in ("RANK", "WORLD_SIZE"):
-            monkeypatch.delenv(var)
-    px.shutdown()
-    yield
-    px.shutdown()
+pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
 
 
 def make(seed=0, **kw):

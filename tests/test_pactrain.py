@@ -7,7 +7,6 @@ accounting's ring model."""
 import io
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -125,14 +124,7 @@ def test_mask_tracker_is_stable_after_exactly_patience_unchanged_steps_and_reset
 
 # --------------------------------------------------------------------------------------------- one process
 
-@pytest.fixture
-def single_process(monkeypatch):
-    for var in list(os.environ):
-        if var.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_", "PRUNEX_")) or var in ("RANK", "WORLD_SIZE"):
-            monkeypatch.delenv(var)
-    px.shutdown()
-    yield
-    px.shutdown()
+# (the single_process fixture is in conftest.py)
 
 
 def make_model(seed=0):

@@ -6,13 +6,11 @@ checks every step against a plain reference and the bytes against the ring-model
 import io
 import json
 import math
-import os
 
 import pytest
 import torch
 import torch.nn as nn
 
-import prunex_hvd as px
 from prunex_hvd.baselines import topk
 
 from launching import mpirun, needs_mpirun, python_cmd, run
@@ -66,14 +64,7 @@ def test_compress_edges_and_errors():
 
 
 # -- one process -------------------------------------------------------------------------------------------
-@pytest.fixture
-def single_process(monkeypatch):
-    for var in list(os.environ):
-        if var.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_", "PRUNEX_")) or var in ("RANK", "WORLD_SIZE"):
-            monkeypatch.delenv(var)
-    px.shutdown()
-    yield
-    px.shutdown()
+# (the single_process fixture is in conftest.py)
 
 
 def make(seed=0, **kw):

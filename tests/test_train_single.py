@@ -1,7 +1,6 @@
 """`prunex-hvd train` in one process: the CIFAR-10 path end to end on a small file in the real format, and
 bad input that must end in a clear error (exit status 2), not a traceback."""
 import json
-import os
 import pickle
 import re
 
@@ -9,18 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import prunex_hvd as px
 from prunex_hvd import cli
 
 
-@pytest.fixture(autouse=True)
-def single_process(monkeypatch):
-    for var in list(os.environ):
-        if var.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_", "PRUNEX_")) or var in ("RANK", "WORLD_SIZE"):
-            monkeypatch.delenv(var)
-    px.shutdown()
-    yield
-    px.shutdown()
+pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
 
 
 def write_cifar(root, per_batch=24, test=20):

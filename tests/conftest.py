@@ -1,0 +1,16 @@
+"""Shared fixtures."""
+import os
+
+import pytest
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    """A 1×1 cluster whatever launched pytest: no launcher variables, no initialised prunex_hvd before or after."""
+    import prunex_hvd as px
+    for var in list(os.environ):
+        if var.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_", "PRUNEX_")) or var in ("RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(var)
+    px.shutdown()
+    yield
+    px.shutdown()
