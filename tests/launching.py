@@ -54,6 +54,16 @@ def torchrun(nproc: int, cmd: list) -> list:
     return [str(BIN / "torchrun"), "--standalone", "--no-python", f"--nproc_per_node={nproc}"] + cmd
 
 
+def worker_results(proc: subprocess.CompletedProcess, out: Path, name: str, ranks: int = 4) -> list:
+    """Assert every rank of a ``tests/workers`` job reported ok (else show its "NAME worker error" lines and
+    the output's tail) and return each rank's ``rank{R}.json``."""
+    import json
+    errors = [line for line in proc.stdout.splitlines() if f"{name} worker error" in line]
+    assert proc.returncode == 0, "\n".join(errors) + "\n" + proc.stdout[-6000:]
+    assert proc.stdout.count("] ok checks=") == ranks, proc.stdout[-6000:]
+    return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
 def run(cmd: list, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, **ROOT_ENV, **(env or {}))
     full_env["PATH"] = f"{BIN}:{full_env.get('PATH', '')}"

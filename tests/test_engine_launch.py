@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from launching import horovodrun, mpirun, needs_horovod, needs_mpirun, python_cmd, run
+from launching import horovodrun, mpirun, needs_horovod, needs_mpirun, python_cmd, run, worker_results
 
 pytestmark = pytest.mark.launch
 ROUNDS = 4
@@ -20,8 +20,8 @@ def keep(k, n):
     return max(1, min(n, math.ceil(k * n - 1e-9)))
 
 
-def check(tmp_path, specs, mask_itemsize=1):
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+def check(proc, tmp_path, specs, mask_itemsize=1):
+    results = worker_results(proc, tmp_path, "engine")
     ref_rounds = results[0]["ref_rounds"]
     assert results[0]["checks"] == 4 * ROUNDS and len(ref_rounds) == ROUNDS
     assert [r["frozen_before"] for r in ref_rounds] == [False, False, False, True]  # freeze_round=3
@@ -60,12 +60,6 @@ def check(tmp_path, specs, mask_itemsize=1):
     assert len({json.dumps(r["stats"]["layer_density"], sort_keys=True) for r in results}) == 1
 
 
-def _ok(proc):
-    errors = [line for line in proc.stdout.splitlines() if "engine worker error" in line]
-    assert proc.returncode == 0, "\n".join(errors) + "\n" + proc.stdout[-6000:]
-    assert proc.stdout.count("] ok checks=") == 4, proc.stdout[-6000:]
-
-
 CHANNEL = {"0.weight": "channel:0.5", "3.weight": "channel:0.5"}
 MIXED_ARG = json.dumps({"3.*": "filter:0.5+channel:0.5", "0.weight": "shape:0.5"})
 MIXED = {"3.weight": "filter:0.5+channel:0.5", "0.weight": "shape:0.5"}
@@ -75,24 +69,21 @@ MIXED = {"3.weight": "filter:0.5+channel:0.5", "0.weight": "shape:0.5"}
 def test_engine_mpirun_mpi(tmp_path):
     proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "mpi", "--out", str(tmp_path)),
                       ["PRUNEX_RANKS_PER_NODE=2"]))
-    _ok(proc)
-    check(tmp_path, CHANNEL)
+    check(proc, tmp_path, CHANNEL)
 
 
 @needs_mpirun
 def test_engine_mpirun_gloo_composite_specs(tmp_path):
     proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "gloo", "--sparsity", MIXED_ARG,
                                     "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
-    _ok(proc)
-    check(tmp_path, MIXED)
+    check(proc, tmp_path, MIXED)
 
 
 @needs_horovod
 def test_engine_horovodrun_horovod(tmp_path):
     proc = run(horovodrun(4, "localhost:2,127.0.0.1:2",
                           python_cmd("engine_worker.py", "--backend", "horovod", "--out", str(tmp_path))))
-    _ok(proc)
-    check(tmp_path, CHANNEL, mask_itemsize=4)   # Horovod ORs masks as int32
+    check(proc, tmp_path, CHANNEL, mask_itemsize=4)   # Horovod ORs masks as int32
 
 
 @needs_mpirun
@@ -102,8 +93,7 @@ def test_engine_nccl(tmp_path):
     if torch.cuda.device_count() >= 4:
         proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "nccl", "--device", "cuda",
                                         "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
-        _ok(proc)
-        check(tmp_path, CHANNEL)
+        check(proc, tmp_path, CHANNEL)
     else:   # one GPU: the same round on CUDA tensors with the nccl groups of a single rank
         proc = run(mpirun(1, python_cmd("engine_worker.py", "--backend", "nccl", "--device", "cuda",
                                         "--out", str(tmp_path))))

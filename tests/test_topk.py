@@ -4,7 +4,6 @@ The compression itself (nothing is lost: sent + residual adds up to every gradie
 in one process (trains, stats, exact resume, errors), and a 4-rank launch as 2 nodes × 2 where rank 0
 checks every step against a plain reference and the bytes against the ring-model formula exactly."""
 import io
-import json
 import math
 
 import pytest
@@ -13,7 +12,7 @@ import torch.nn as nn
 
 from prunex_hvd.baselines import topk
 
-from launching import mpirun, needs_mpirun, python_cmd, run
+from launching import mpirun, needs_mpirun, python_cmd, run, worker_results
 
 
 # -- the compression ---------------------------------------------------------------------------------------
@@ -204,10 +203,7 @@ def test_topk_mpirun_matches_reference_and_byte_formula(tmp_path):
     proc = run(mpirun(4, python_cmd("topk_worker.py", "--backend", "mpi", "--steps", str(STEPS),
                                     "--warmup-steps", str(WARMUP), "--out", str(tmp_path)),
                       ["PRUNEX_RANKS_PER_NODE=2"]))
-    errors = [line for line in proc.stdout.splitlines() if "topk worker error" in line]
-    assert proc.returncode == 0, "\n".join(errors) + "\n" + proc.stdout[-6000:]
-    assert proc.stdout.count("] ok checks=") == 4, proc.stdout[-6000:]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    results = worker_results(proc, tmp_path, "topk")
     assert results[0]["checks"] == 4 * STEPS
     K = sum(results[0]["ks"])
     numel = sum(results[0]["numels"])

@@ -8,11 +8,11 @@ import argparse
 import json
 import os
 import sys
-import time
-import traceback
 
 import torch
 import torch.nn as nn
+
+import worker_io
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from reference import reference_round  # noqa: E402
@@ -104,8 +104,9 @@ def main():
                 for name in got["buffers"]:
                     compare(f"round {rnd} rank {r} buffer {name}", got["buffers"][name], want["buffers"][name])
                 checks += 1
+            sent = want["sent_masks"].items()
             ref_rounds.append({"frozen_before": before[0]["frozen"],
-                               "compact": {n: [int(r.sum()), int(c.sum())] for n, (r, c) in want["sent_masks"].items()}})
+                               "compact": {n: [int(r.sum()), int(c.sum())] for n, (r, c) in sent}})
     opt.finalize()
     final = control.allgather_object({k: v.cpu().clone() for k, v in model.state_dict().items()})
     for k in final[0]:
@@ -122,18 +123,8 @@ def main():
               "shapes": {n: list(p.shape) for n, p in model.named_parameters()},
               "numels": {e.name: e.param.numel() for e in opt._engine.entries},
               "buffer_numel": sum(b.numel() for _, b in opt._engine.buffers)}
-    with open(os.path.join(a.out, f"rank{topo.rank}.json"), "w") as f:
-        json.dump(result, f)
-    print(f"[rank {topo.rank}] ok checks={checks}", flush=True)
+    worker_io.report(a.out, topo.rank, result, checks)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as exc:  # noqa: BLE001
-        print(f"[rank {os.environ.get('OMPI_COMM_WORLD_RANK', os.environ.get('HOROVOD_RANK', '?'))}] engine worker "
-              f"error: {type(exc).__name__}: {exc}", flush=True)
-        traceback.print_exc()
-        sys.stdout.flush()
-        time.sleep(2)
-        sys.exit(3)
+    worker_io.run(main, "engine")

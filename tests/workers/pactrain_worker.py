@@ -13,14 +13,11 @@ the launcher's control plane (never through the accounted groups). Rank 0 checks
 
 Writes OUT/rank{R}.json with the per-step byte deltas and the bucket sizes for the parent test."""
 import argparse
-import json
-import os
-import sys
-import time
-import traceback
 
 import torch
 import torch.nn as nn
+
+import worker_io
 
 
 def make_model():
@@ -56,9 +53,7 @@ def main():
     result = {"rank": topo.rank, "topology": topo.as_dict()}
     for mode in a.modes.split(","):
         result[mode] = run(a, mode == "terngrad")
-    with open(os.path.join(a.out, f"rank{topo.rank}.json"), "w") as f:
-        json.dump(result, f)
-    print(f"[rank {topo.rank}] ok checks={sum(result[m]['checks'] for m in a.modes.split(','))}", flush=True)
+    worker_io.report(a.out, topo.rank, result, sum(result[m]["checks"] for m in a.modes.split(",")))
 
 
 def run(a, terngrad):
@@ -174,12 +169,4 @@ def run(a, terngrad):
             "world_nodes": list(world.nodes)}
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as exc:  # noqa: BLE001
-        print(f"[rank {os.environ.get('OMPI_COMM_WORLD_RANK', os.environ.get('HOROVOD_RANK', '?'))}] pactrain worker "
-              f"error: {type(exc).__name__}: {exc}", flush=True)
-        traceback.print_exc()
-        sys.stdout.flush()
-        time.sleep(2)
-        sys.exit(3)
+    worker_io.run(main, "pactrain")

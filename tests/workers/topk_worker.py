@@ -7,15 +7,12 @@ over ranks (or a plain average during warm-up) — and compares every rank's com
 residual with it, and checks that all ranks hold identical weights. Writes OUT/rank{R}.json with the
 ledger, stats and the numbers the parent test needs for the byte formula."""
 import argparse
-import json
 import math
-import os
-import sys
-import time
-import traceback
 
 import torch
 import torch.nn as nn
+
+import worker_io
 
 
 def make_model():
@@ -101,18 +98,8 @@ def main():
               "ledger": px.comm.summary(by_op=True), "checks": checks, "numels": numels, "ks": ks,
               "bucket_numels": [b.numel() for b in layout.buffers] if layout is not None else [],
               "steps": a.steps, "warmup_steps": a.warmup_steps}
-    with open(os.path.join(a.out, f"rank{topo.rank}.json"), "w") as f:
-        json.dump(result, f)
-    print(f"[rank {topo.rank}] ok checks={checks}", flush=True)
+    worker_io.report(a.out, topo.rank, result, checks)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as exc:  # noqa: BLE001
-        print(f"[rank {os.environ.get('OMPI_COMM_WORLD_RANK', os.environ.get('HOROVOD_RANK', '?'))}] topk worker "
-              f"error: {type(exc).__name__}: {exc}", flush=True)
-        traceback.print_exc()
-        sys.stdout.flush()
-        time.sleep(2)
-        sys.exit(3)
+    worker_io.run(main, "topk")

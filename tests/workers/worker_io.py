@@ -1,0 +1,27 @@
+"""What every launch-test worker shares: its per-rank result file and the error line the parent test greps."""
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def report(out: str, rank: int, result: dict, checks: int) -> None:
+    """Write OUT/rank{R}.json and the "ok" line the parent counts."""
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    print(f"[rank {rank}] ok checks={checks}", flush=True)
+
+
+def run(main, name: str) -> None:
+    """Run ``main``; on any failure print "[rank R] NAME worker error: ..." and exit 3 (after a pause, so
+    the launcher forwards the line before it tears the job down)."""
+    try:
+        main()
+    except Exception as exc:  # noqa: BLE001
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", "?"))
+        print(f"[rank {rank}] {name} worker error: {type(exc).__name__}: {exc}", flush=True)
+        traceback.print_exc()
+        sys.stdout.flush()
+        time.sleep(2)
+        sys.exit(3)
