@@ -4,7 +4,7 @@ Every wrapped optimizer is an instance of the user's optimizer class and also of
 so the same loop, sampler, metrics and byte counters serve every method:
 
 * ``stats()`` with at least :data:`STATS_KEYS` (``rounds`` counts communication rounds; methods that talk
-  every step count steps);
+  every step count steps), and ``rounds_done()``, the same count, cheap enough for every step;
 * ``consensus_weights()``: a context manager during which the model holds the weights to evaluate (for
   PruneX the global consensus z, i.e. the pruned model so far);
 * ``finalize()``: leave the final model in place, identical on every rank;

@@ -31,7 +31,8 @@ Tuning (what each knob does to speed and accuracy):
 from __future__ import annotations
 
 import math
-from typing import Optional
+from numbers import Real
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -83,6 +84,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         :meth:`HSADMM.finalize`)."""
         self._engine.finalize()
 
+    def rounds_done(self) -> int:
+        """Consensus rounds so far: cheap, for a training loop's every step (``stats()`` is not)."""
+        return self._engine.round
+
     def consensus_weights(self):
         """Context manager: the model holds the global consensus z (the pruned model so far) inside it."""
         return self._engine.consensus_weights()
@@ -123,13 +128,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     the knobs. Collective: every rank constructs it, and rank 0's parameters and float buffers are broadcast
     to all. Returns an instance of the optimizer's own class with ``consensus()``, ``finalize()``,
     ``stats()`` and engine-aware ``state_dict()``/``load_state_dict()``."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_wrapping(optimizer, model, bucket_mb)
     if not isinstance(local_steps, int) or local_steps < 1:
         raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
-    for name, value in (("rho1", rho1), ("rho2", rho2), ("rho_max", rho_max), ("bucket_mb", bucket_mb)):
+    for name, value in (("rho1", rho1), ("rho2", rho2), ("rho_max", rho_max)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     if weight_decay_z < 0:
@@ -138,14 +140,38 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         raise ValueError(f"freeze_round must be None or an integer >= 1, got {freeze_round!r}")
     if not isinstance(freeze_patience, int) or freeze_patience < 1:
         raise ValueError(f"freeze_patience must be an integer >= 1, got {freeze_patience!r}")
+    return mix_into(optimizer, _DistributedOptimizer, model, sparsity, local_steps, rho1, rho2, rho_max, adaptive_rho,
+                    weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain, hierarchical)
+
+
+def check_wrapping(optimizer, model, bucket_mb) -> list:
+    """The checks every wrapper (PruneX and the baselines) makes before it talks to anyone: the same answer on
+    every rank, so raising is safe. Returns the parameters the optimizer holds."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(bucket_mb, bool) or not (isinstance(bucket_mb, Real) and math.isfinite(bucket_mb) and bucket_mb > 0):
+        raise ValueError(f"bucket_mb must be a finite number > 0, got {bucket_mb!r}")
     model_params = {id(p) for p in model.parameters()}
     stray = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if id(p) not in model_params]
     if stray:
         raise ValueError(f"the optimizer holds parameters that are not the model's (param groups {sorted(set(stray))})")
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
-    wrapped = cls(optimizer.param_groups, model, sparsity, local_steps, rho1, rho2, rho_max, adaptive_rho,
-                  weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain, hierarchical)
-    inner_state = optimizer.state_dict()
-    if inner_state["state"]:
-        super(cls, wrapped).load_state_dict(inner_state)
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def mix_into(optimizer: torch.optim.Optimizer, method_cls: type, *args, **kwargs):
+    """An instance of a new class ``(method_cls's methods) + (optimizer's class)`` over the same param groups
+    (as Horovod does, so schedulers and isinstance checks keep working), carrying over the optimizer's state;
+    ``method_cls.__init__(self, params, *args, **kwargs)`` runs and calls ``super(self.__class__, self)``."""
+    namespace: Dict[str, Any] = {}
+    for klass in reversed(method_cls.__mro__):
+        if klass in (object, torch.optim.Optimizer):
+            continue
+        namespace.update({k: v for k, v in klass.__dict__.items() if k not in ("__dict__", "__weakref__")})
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
+    wrapped = cls(optimizer.param_groups, *args, **kwargs)
+    inner = optimizer.state_dict()
+    if inner["state"]:
+        super(cls, wrapped).load_state_dict(inner)
     return wrapped

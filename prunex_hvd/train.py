@@ -290,9 +290,9 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         return {"loss": torch.zeros((), device=device), "correct": torch.zeros((), dtype=torch.long, device=device),
                 "count": 0}
     running = zero()
-    last = {"test_acc": None, "inter_bytes": 0}
+    last = {"test_acc": None, "inter_bytes": 0, "density": opt.stats().get("density", 1.0)}
     t_start, wall = time.perf_counter(), wall_offset
-    rounds_seen = rounds_at_start = opt.stats()["rounds"]
+    rounds_seen = rounds_at_start = opt.rounds_done()
     per_epoch = getattr(opt, "records_per_epoch", False)  # methods that talk every step log once an epoch
     stopped = None
     while step < total_steps and stopped is None:
@@ -310,17 +310,17 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
             running["correct"] += (out.argmax(1) == y).sum()
             running["count"] += len(y)
             if step == total_steps and not per_epoch and hasattr(opt, "consensus") \
-                    and opt.stats()["rounds"] == rounds_seen and step % local_steps:
+                    and opt.rounds_done() == rounds_seen and step % local_steps:
                 opt.consensus()   # the last local steps join the consensus the final model is made of
-            stats = opt.stats()
-            if (per_epoch and step % steps_per_epoch == 0) or (not per_epoch and stats["rounds"] != rounds_seen) \
+            if (per_epoch and step % steps_per_epoch == 0) or (not per_epoch and opt.rounds_done() != rounds_seen) \
                     or step == total_steps:
+                stats = opt.stats()   # not every step: it sums masks and residuals per layer
                 rounds_seen = stats["rounds"]
                 wall = wall_offset + time.perf_counter() - t_start
                 with_eval = rounds_seen % cfg.eval_every == 0 or step == total_steps
                 rec = record(stats, running, with_eval)
                 running = zero()
-                last.update({k: rec[k] for k in ("test_acc", "inter_bytes") if rec[k] is not None})
+                last.update({k: rec[k] for k in ("test_acc", "inter_bytes", "density") if rec.get(k) is not None})
                 if cfg.checkpoint_every and rounds_seen and rounds_seen % cfg.checkpoint_every == 0:
                     save_checkpoint(step)
                 if cfg.stop_after_rounds is not None and step < total_steps \
@@ -333,7 +333,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
             if bar.n % 10 == 0 or step == total_steps:
                 bar.set_postfix(epoch=f"{step / steps_per_epoch:.1f}", loss=f"{float(loss.detach()):.3f}",
                                 acc="-" if last["test_acc"] is None else f"{100 * last['test_acc']:.1f}%",
-                                density=f"{stats.get('density', 1.0):.2f}",
+                                density=f"{last['density']:.2f}",
                                 inter_MB=f"{last['inter_bytes'] / 2**20:.1f}", refresh=False)
             if stopped is not None or step >= total_steps:
                 break

@@ -14,6 +14,7 @@ import torch
 
 from ..buckets import BucketLayout
 from ..comm.accounting import ledger as default_ledger, ring_cross_node_bytes
+from ..optimizer import check_wrapping, mix_into  # noqa: F401  (the baselines' wrapping, shared with PruneX's)
 
 
 class Traffic:
@@ -139,6 +140,10 @@ class MethodOptimizer(torch.optim.Optimizer):
     def _extra_stats(self) -> Dict[str, Any]:
         return {}
 
+    def rounds_done(self) -> int:
+        """Communication rounds so far (one a step): cheap, for the training loop's every step."""
+        return self._steps
+
     def stats(self) -> Dict[str, Any]:
         return {"rounds": self._steps, "steps": self._steps, "inter_bytes": self._traffic.inter,
                 "intra_bytes": self._traffic.intra, "dense_inter_bytes": self._dense_inter,
@@ -151,41 +156,32 @@ class MethodOptimizer(torch.optim.Optimizer):
         pass
 
     def state_dict(self):
-        sd = super(self.__class__, self).state_dict()
+        return self._with_method_state(super(self.__class__, self).state_dict())
+
+    def load_state_dict(self, state_dict):
+        state_dict, method = self._split_method_state(state_dict)
+        super(self.__class__, self).load_state_dict(state_dict)
+        self._restore_method_state(method)
+
+    # the three halves of the above, also bound onto Horovod's own optimizer by `dense`
+    def _with_method_state(self, sd):
         sd["method"] = {"steps": self._steps, "traffic": self._traffic.state(), "dense_inter": self._dense_inter,
                         **self._method_state()}
         return sd
 
-    def load_state_dict(self, state_dict):
+    def _split_method_state(self, state_dict):
         state_dict = dict(state_dict)
         method = state_dict.pop("method", None)
         if method is None:
             raise ValueError(f"this state dict has no 'method' state for {type(self).__name__}: save it with the "
                              "wrapped optimizer's state_dict()")
-        super(self.__class__, self).load_state_dict(state_dict)
-        method = dict(method)
+        return state_dict, dict(method)
+
+    def _restore_method_state(self, method) -> None:
         self._steps = int(method.pop("steps"))
         self._traffic.load(method.pop("traffic"))
         self._dense_inter = int(method.pop("dense_inter"))
         self._load_method_state(method)
-
-
-def mix_into(optimizer: torch.optim.Optimizer, method_cls: type, *args, **kwargs):
-    """An instance of a new class ``(method_cls's methods) + (optimizer's class)`` over the same param groups,
-    carrying over the optimizer's state; ``method_cls.__init__(self, params, *args, **kwargs)`` runs."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    namespace: Dict[str, Any] = {}
-    for klass in reversed(method_cls.__mro__):
-        if klass in (object, torch.optim.Optimizer):
-            continue
-        namespace.update({k: v for k, v in klass.__dict__.items() if k not in ("__dict__", "__weakref__")})
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
-    wrapped = cls(optimizer.param_groups, *args, **kwargs)
-    inner = optimizer.state_dict()
-    if inner["state"]:
-        super(cls, wrapped).load_state_dict(inner)
-    return wrapped
 
 
 def flat_layout(params: Iterable[torch.Tensor], bucket_mb: float) -> Optional[BucketLayout]:

@@ -20,7 +20,7 @@ import torch
 from .. import runtime
 from ..comm import groups as comm_groups
 from ..comm.accounting import CommRecord, ring_cross_node_bytes, ring_sent_bytes
-from .common import MethodOptimizer, Traffic, broadcast_model, flat_layout, mix_into
+from .common import MethodOptimizer, Traffic, broadcast_model, check_wrapping, flat_layout, mix_into
 
 
 class _Allreduce(MethodOptimizer):
@@ -44,11 +44,12 @@ class _Allreduce(MethodOptimizer):
 
 def _account_horovod(opt, model, world) -> None:
     """Wrap counters around Horovod's own optimizer: its ``synchronize()`` waits for the fused allreduce of
-    every gradient; we record that allreduce under the ring model and add the method's interface."""
+    every gradient; we record that allreduce under the ring model and add the harness interface from
+    :class:`MethodOptimizer`, bound onto the instance (not a subclass: Horovod's class calls
+    ``super(self.__class__, self)``)."""
     params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-    traffic = Traffic(world.ledger)
-    state = {"steps": 0}
-    synchronize = opt.synchronize
+    opt._model, opt._world, opt._traffic, opt._steps, opt._dense_inter = model, world, Traffic(world.ledger), 0, 0
+    synchronize, base_state_dict, base_load = opt.synchronize, opt.state_dict, opt.load_state_dict
 
     def accounted_synchronize(self):
         t0 = time.perf_counter()
@@ -60,40 +61,26 @@ def _account_horovod(opt, model, world) -> None:
         world.ledger.add(CommRecord(op="allreduce", tier="world", backend="horovod", payload_bytes=payload,
                                     wire_bytes=wire, cross_node_bytes=cross, seconds=time.perf_counter() - t0,
                                     tag="gradients"))
-        traffic.inter += cross
-        traffic.intra += wire - cross
-        state["steps"] += 1
-
-    def stats(self):
-        return {"rounds": state["steps"], "steps": state["steps"], "inter_bytes": traffic.inter,
-                "intra_bytes": traffic.intra, "dense_inter_bytes": traffic.inter, "density": 1.0,
-                "layer_density": {}}
-
-    base_state_dict, base_load = opt.state_dict, opt.load_state_dict
+        self._traffic.inter += cross
+        self._traffic.intra += wire - cross
+        self._dense_inter += cross   # dense is its own counterfactual
+        self._steps += 1
 
     def state_dict(self):
-        sd = base_state_dict()
-        sd["method"] = {"steps": state["steps"], "traffic": traffic.state()}
-        return sd
+        return self._with_method_state(base_state_dict())
 
     def load_state_dict(self, sd):
-        sd = dict(sd)
-        method = sd.pop("method", None)
-        if method is None:
-            raise ValueError("this state dict has no 'method' state for dense: save it with the wrapped "
-                             "optimizer's state_dict()")
-        base_load(sd)
-        state["steps"] = int(method["steps"])
-        traffic.load(method["traffic"])
+        sd, method = self._split_method_state(sd)
+        base_load(sd)   # Horovod's own: it also resets its pending handles
+        self._restore_method_state(method)
 
-    # instance attributes, not a subclass: Horovod's class calls super(self.__class__, self)
-    opt._model, opt._world = model, world
-    opt.synchronize = types.MethodType(accounted_synchronize, opt)
-    opt.stats = types.MethodType(stats, opt)
-    opt.state_dict = types.MethodType(state_dict, opt)
-    opt.load_state_dict = types.MethodType(load_state_dict, opt)
-    opt.consensus_weights = types.MethodType(MethodOptimizer.consensus_weights, opt)
-    opt.finalize = types.MethodType(MethodOptimizer.finalize, opt)
+    for name, fn in (("synchronize", accounted_synchronize), ("state_dict", state_dict),
+                     ("load_state_dict", load_state_dict)):
+        setattr(opt, name, types.MethodType(fn, opt))
+    for name in ("stats", "rounds_done", "density", "layer_density", "_extra_stats", "consensus_weights",
+                 "finalize", "_with_method_state", "_split_method_state", "_restore_method_state",
+                 "_method_state", "_load_method_state"):
+        setattr(opt, name, types.MethodType(getattr(MethodOptimizer, name), opt))
     opt.records_per_epoch = True
 
 
@@ -102,10 +89,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     """Dense data-parallel training of ``model`` with ``optimizer``: Horovod's DistributedOptimizer when
     launched under Horovod, else a bucketed allreduce over the world group. Collective; rank 0's model is
     broadcast first. Returns the wrapped optimizer with ``stats()`` and the harness interface."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not (bucket_mb > 0):
-        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
+    check_wrapping(optimizer, model, bucket_mb)
     topo = runtime.topology() if runtime.is_initialized() else runtime.init(backend=backend or "auto")
     world = comm_groups(backend).world
     broadcast_model(model, world)

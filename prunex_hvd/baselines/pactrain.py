@@ -57,7 +57,7 @@ from torch import Tensor
 
 from .. import runtime
 from ..sparsity import keep_count, resolve_specs
-from .common import MethodOptimizer, broadcast_model, flat_layout, mix_into
+from .common import MethodOptimizer, broadcast_model, check_wrapping, flat_layout, mix_into
 
 SCORES = ("magnitude", "grasp")
 
@@ -374,10 +374,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     model is pruned in place (GraSP: ``grasp_batch = (x, y)``, this rank's batch; scores are summed over the
     world, one-time traffic tagged ``setup`` and not counted as the method's). Returns an instance of the
     optimizer's own class with ``stats()``, ``density()``, ``finalize()`` and a resumable ``state_dict()``."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    held = check_wrapping(optimizer, model, bucket_mb)
     if score not in SCORES:
         raise ValueError(f"score must be one of {', '.join(SCORES)}, got {score!r}")
     if score == "grasp":
@@ -388,15 +385,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
             raise ValueError("grasp_batch must be a pair of tensors (x, y)")
     if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
         raise ValueError(f"patience must be an integer >= 1, got {patience!r}")
-    if not (isinstance(bucket_mb, (int, float)) and math.isfinite(bucket_mb) and bucket_mb > 0):
-        raise ValueError(f"bucket_mb must be a finite number > 0, got {bucket_mb!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer, got {seed!r}")
-    model_params = {id(p) for p in model.parameters()}
-    stray = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if id(p) not in model_params]
-    if stray:
-        raise ValueError(f"the optimizer holds parameters that are not the model's (param groups {sorted(set(stray))})")
-    held = [p for g in optimizer.param_groups for p in g["params"]]
     if not held:
         raise ValueError("the optimizer holds no parameters")
     if len({(p.dtype, p.device) for p in held}) > 1:

@@ -59,7 +59,7 @@ import torch
 
 from .. import runtime
 from ..comm import groups as comm_groups
-from .common import MethodOptimizer, broadcast_model, flat_layout, mix_into
+from .common import MethodOptimizer, broadcast_model, check_wrapping, flat_layout, mix_into
 
 _INT32_LIMIT = 2**31 - 1
 
@@ -210,23 +210,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     ``prunex_hvd.init`` (which is called with ``"auto"`` if it has not been). Returns an instance of the
     optimizer's own class with ``stats()``, ``consensus_weights()``, ``finalize()`` and a ``state_dict()``
     that holds the residuals."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    params = check_wrapping(optimizer, model, bucket_mb)
     if isinstance(ratio, bool) or not isinstance(ratio, Real) or not (math.isfinite(ratio) and 0 < ratio <= 1):
         raise ValueError(f"ratio (the fraction of each layer's gradient sent per step) must be a number in "
                          f"(0, 1], got {ratio!r}")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, Real) or not (math.isfinite(bucket_mb)
-                                                                             and bucket_mb > 0):
-        raise ValueError(f"bucket_mb must be a finite number > 0, got {bucket_mb!r}")
-    model_params = {id(p) for p in model.parameters()}
-    stray = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if id(p) not in model_params]
-    if stray:
-        raise ValueError(f"the optimizer holds parameters that are not the model's (param groups {sorted(set(stray))})")
-    params = [p for g in optimizer.param_groups for p in g["params"]]
     trained = [p for p in params if p.requires_grad]
     if not trained:
         raise ValueError("the optimizer holds no parameter that requires a gradient: nothing to synchronise")
