@@ -45,6 +45,8 @@ import statistics
 import sys
 import time
 
+import benchjson  # benchmarks/ is the script's own folder, first on sys.path
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
@@ -393,12 +395,7 @@ def main():
            "scenarios": scenarios, "assumptions": assumptions,
            "wall_s": round(time.perf_counter() - t_start, 1),
            "host": {"cpus": os.cpu_count(), "load_avg_at_end": [round(x, 1) for x in os.getloadavg()]}}
-    text = json.dumps(doc, indent=1)
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    benchjson.emit(doc, a.out)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ import subprocess
 import sys
 import time
 
+import benchjson  # benchmarks/ is the script's own folder, first on sys.path
+
 HERE = os.path.abspath(__file__)
 KINDS = ("filter", "channel", "composite")
 TARGET = 0.40   # paper, Sec. 5.3.1 / Fig. 6: the compact message "stabilizing at approximately 40%" of dense
@@ -320,12 +322,7 @@ def main():
                       "dense BN/FC/buffers, so ~0.5x is the floor for them; composite keeps ~a quarter.",
            "models": results, "wall_s": round(time.perf_counter() - t0, 1),
            "host": {"cpus": os.cpu_count(), "load_avg_at_end": [round(x, 1) for x in os.getloadavg()]}}
-    text = json.dumps(doc, indent=1)
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    benchjson.emit(doc, a.out)
 
 
 if __name__ == "__main__":

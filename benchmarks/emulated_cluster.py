@@ -505,7 +505,8 @@ def main(argv=None) -> int:
     become_subreaper()
 
     deadline = time.monotonic() + 60 * args.max_minutes
-    doc = {"benchmark": "emulated_cluster", "cluster": {"hosts": args.hosts, "ranks_per_host": args.ranks_per_host, "mtu": args.mtu,
+    doc = {"benchmark": "emulated_cluster",
+           "cluster": {"hosts": args.hosts, "ranks_per_host": args.ranks_per_host, "mtu": args.mtu,
                        "gso_max_size": args.mtu, "latency_one_way_ms": latency_ms,
                        "namespaces": {"hosts": [f"pxh{k}" for k in range(args.hosts)], "switch": SWITCH_NS,
                                       "launcher": LAUNCH_NS},
