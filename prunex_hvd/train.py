@@ -195,9 +195,12 @@ class _MetricsLog:
                 f.write(json.dumps(record) + "\n")
 
 
+_BYTE_KEYS = ("inter_bytes", "intra_bytes", "dense_inter_bytes")
+
+
 def _job_totals(control, stats: Dict[str, Any]) -> Dict[str, int]:
-    rows = control.allgather_object([int(stats.get(k, 0)) for k in ("inter_bytes", "intra_bytes", "dense_inter_bytes")])
-    return {k: sum(r[i] for r in rows) for i, k in enumerate(("inter_bytes", "intra_bytes", "dense_inter_bytes"))}
+    rows = control.allgather_object([int(stats.get(k, 0)) for k in _BYTE_KEYS])
+    return {k: sum(r[i] for r in rows) for i, k in enumerate(_BYTE_KEYS)}
 
 
 def train(cfg: TrainConfig) -> Dict[str, Any]:
@@ -212,6 +215,10 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     threads = _set_threads(cfg.threads, control)
     rank, is_main = topo.rank, topo.rank == 0
     device = _agreed(control, _pick_device, cfg.device, topo.local_rank)
+    if not cfg.resume:   # refuse before any data, model or collective set-up is paid for
+        exists = os.path.exists(os.path.join(cfg.out, "metrics.jsonl")) if is_main else None
+        control.agree(f"{cfg.out} already holds a run: pass --resume to continue it, or choose another --out"
+                      if control.broadcast_object(exists, root=0) else None, ValueError)
 
     data = _agreed(control, load_dataset, cfg.dataset, data_dir=cfg.data_dir,
                    image_size=cfg.image_size or models.default_image_size(cfg.model), seed=cfg.seed)
@@ -249,10 +256,6 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
             random.setstate(state["rng"]["python"])
             np.random.set_state(state["rng"]["numpy"])
             step, wall_offset, resumed = int(state["step"]), float(state["wall_s"]), True
-    else:
-        exists = os.path.exists(os.path.join(cfg.out, "metrics.jsonl")) if is_main else None
-        control.agree(f"{cfg.out} already holds a run: pass --resume to continue it, or choose another --out"
-                      if control.broadcast_object(exists, root=0) else None, ValueError)
     log = _MetricsLog(os.path.join(cfg.out, "metrics.jsonl"), is_main, step if resumed else None)
     if is_main:
         checkpoint.atomic_write_json(os.path.join(cfg.out, "config.json"),
