@@ -63,8 +63,9 @@ class HSADMM:
     def __init__(self, model: torch.nn.Module, topo, groups, specs: Dict[str, sparsity.StructureSpec],
                  rho1: float, rho2: float, rho_max: float, adaptive_rho: bool, weight_decay_z: float,
                  freeze_round: Optional[int], freeze_patience: int, bucket_mb: float, ledger=None,
-                 masked_retrain: bool = True):
+                 masked_retrain: bool = True, couplings: Optional[Dict[str, str]] = None):
         self.topo, self.groups = topo, groups
+        self.couplings = dict(couplings or {})   # {consumer conv: producer conv}, pruned as one channel group
         self.masked_retrain = masked_retrain
         self.rho_max, self.adaptive_rho = rho_max, adaptive_rho
         self.weight_decay_z = weight_decay_z
@@ -179,7 +180,7 @@ class HSADMM:
             z_i_new.append(admm.node_candidate(node_sum, e.z, e.v, e.rho1, e.rho2, P, M, self.weight_decay_z))
         structured_ks = [k for k, e in enumerate(self.entries) if e.structured]
         if not self.frozen:
-            local = [sparsity.structured_masks(z_i_new[k], self.entries[k].spec) for k in structured_ks]
+            local = self._masks({self.entries[k].name: z_i_new[k] for k in structured_ks})
             for k, (rows, cols) in zip(structured_ks, local):
                 z_i_new[k] = sparsity.apply_masks(z_i_new[k], rows, cols)
             self._sync_masks(local)
@@ -249,14 +250,20 @@ class HSADMM:
         """Masks stop moving. The OR of the nodes' masks may keep more than was asked, so the frozen structure
         is the requested one, cut from the global z (the same on every rank): the retraining phase then trains
         exactly the model that :meth:`finalize` returns."""
-        for e in self.structured:
-            e.rows, e.cols = sparsity.structured_masks(e.z, e.spec)
+        for e, (rows, cols) in zip(self.structured, self._masks({e.name: e.z for e in self.structured})):
+            e.rows, e.cols = rows, cols
             e.row_idx, e.col_idx = sparsity.masks_to_indices(e.rows, e.cols)
             e.z = sparsity.apply_masks(e.z, e.rows, e.cols)
         self._compact = self._support = None
         self.frozen = True
 
     # -- helpers -----------------------------------------------------------------------------------------
+    def _masks(self, weights: Dict[str, torch.Tensor]) -> List[tuple]:
+        """Π_S's support for every structured entry (in ``self.structured`` order), coupled channel groups
+        pruned together."""
+        masks = sparsity.coupled_masks(weights, {e.name: e.spec for e in self.structured}, self.couplings)
+        return [masks[e.name] for e in self.structured]
+
     def _sync_masks(self, local) -> None:
         """OR every node's row/col masks among the leaders, then hand the result to the node."""
         if not self.structured:
@@ -346,8 +353,8 @@ class HSADMM:
         model. If nodes' masks still differed (their OR is larger than asked), z is projected onto the
         requested structure first, so the model is at the requested density."""
         with torch.no_grad():
-            for e in self.structured:
-                e.z.copy_(sparsity.project(e.z, e.spec))
+            for e, (rows, cols) in zip(self.structured, self._masks({e.name: e.z for e in self.structured})):
+                e.z.copy_(sparsity.apply_masks(e.z, rows, cols))
             for e in self.entries:
                 e.param.copy_(e.z)
 

@@ -19,22 +19,18 @@ import torch
 STATS_KEYS = ("rounds", "steps", "inter_bytes", "intra_bytes", "dense_inter_bytes", "density")
 
 
-def _prunex(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, local_steps: int, sample_batch):
+def _prunex(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, local_steps: int, sample_batch,
+            hierarchical: bool = True):
     from .optimizer import DistributedOptimizer
     return DistributedOptimizer(optimizer, model, sparsity=cfg.sparsity, local_steps=local_steps, rho1=cfg.rho1,
                                 rho2=cfg.rho2, rho_max=cfg.rho_max, adaptive_rho=cfg.adaptive_rho,
                                 weight_decay_z=cfg.weight_decay_z, freeze_round=cfg.freeze_round,
                                 freeze_patience=cfg.freeze_patience, bucket_mb=cfg.bucket_mb, backend=cfg.backend,
-                                masked_retrain=cfg.masked_retrain)
+                                masked_retrain=cfg.masked_retrain, coupled=cfg.coupled, hierarchical=hierarchical)
 
 
 def _prunex_flat(optimizer, model, cfg, local_steps: int, sample_batch):
-    from .optimizer import DistributedOptimizer
-    return DistributedOptimizer(optimizer, model, sparsity=cfg.sparsity, local_steps=local_steps, rho1=cfg.rho1,
-                                rho2=cfg.rho2, rho_max=cfg.rho_max, adaptive_rho=cfg.adaptive_rho,
-                                weight_decay_z=cfg.weight_decay_z, freeze_round=cfg.freeze_round,
-                                freeze_patience=cfg.freeze_patience, bucket_mb=cfg.bucket_mb, backend=cfg.backend,
-                                masked_retrain=cfg.masked_retrain, hierarchical=False)
+    return _prunex(optimizer, model, cfg, local_steps, sample_batch, hierarchical=False)
 
 
 def _dense(optimizer, model, cfg, local_steps: int, sample_batch):

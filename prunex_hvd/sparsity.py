@@ -213,37 +213,92 @@ def _top_mask(norms: Tensor, k: int) -> Tensor:
     return mask
 
 
-def structured_masks(weight: Tensor, spec) -> Tuple[Tensor, Tensor]:
+def structured_masks(weight: Tensor, spec, rows: Optional[Tensor] = None,
+                     channel_bonus: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The projection's support: ``(rows: bool[C_out], cols: bool[C_in*KH*KW])`` on ``weight.device``.
 
     Stages run filter → channel → shape, each ranking the weight as masked by the stages before it. Channel
     and shape columns combine with AND. A dense spec gives all-True masks (for a tensor of any rank).
+
+    Coupled pruning (:func:`coupled_masks`) passes ``rows``, the row mask decided by the layer that reads
+    this one's output (it replaces the filter stage), and ``channel_bonus``, squared norms (``[C_in]``) of the
+    producer filters that go with each input channel, added to the channel stage's scores.
     """
     spec = parse_spec(spec)
     w = gemm_view(weight.detach())
     n_rows, n_cols = w.shape
-    rows = torch.ones(n_rows, dtype=torch.bool, device=w.device)
     cols = torch.ones(n_cols, dtype=torch.bool, device=w.device)
     if spec.is_dense:
-        return rows, cols
+        return torch.ones(n_rows, dtype=torch.bool, device=w.device), cols
     if weight.dim() != 4:
         raise ValueError(f"structured sparsity {str(spec)!r} needs a conv weight (4-D: C_out, C_in, KH, KW), "
                          f"got shape {tuple(weight.shape)}")
+    tied = rows is not None
+    rows = rows.to(w.device) if tied else torch.ones(n_rows, dtype=torch.bool, device=w.device)
     # Rank on squares (same order as L2 norms, one rounding fewer), in float32 at least so half-precision
     # weights neither overflow nor collapse distinct norms into ties.
-    sq = w.to(torch.float64 if w.dtype == torch.float64 else torch.float32).square()
+    sq = square_f32(w)
     c_in = weight.shape[1]
     ksize = n_cols // c_in
     for kind, keep in spec.parts:   # already in filter -> channel -> shape order
         masked = sq * rows[:, None] * cols[None, :]
         if kind == "filter":
-            rows = _top_mask(masked.sum(1), keep_count(keep, n_rows))
+            if not tied:
+                rows = _top_mask(masked.sum(1), keep_count(keep, n_rows))
         elif kind == "channel":
-            ch = _top_mask(masked.view(n_rows, c_in, ksize).sum((0, 2)), keep_count(keep, c_in))
+            score = masked.view(n_rows, c_in, ksize).sum((0, 2))
+            if channel_bonus is not None:
+                score = score + channel_bonus.to(score)
+            ch = _top_mask(score, keep_count(keep, c_in))
             cols = cols & ch.repeat_interleave(ksize)
         else:  # shape
             cols = cols & _top_mask(masked.sum(0), keep_count(keep, n_cols))
     return rows, cols
+
+
+def square_f32(t: Tensor) -> Tensor:
+    """Squares in float32 at least (float64 stays float64): for ranking, without overflow or false ties."""
+    return t.detach().to(torch.float64 if t.dtype == torch.float64 else torch.float32).square()
+
+
+def coupled_masks(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureSpec"],
+                  couplings: Mapping[str, str]) -> dict:
+    """Masks ``{name: (rows, cols)}`` for every name in ``specs``, with channel pruning coupled along
+    ``couplings`` (``{consumer: producer}``, from :func:`prunex_hvd.dependencies.channel_couplings`).
+
+    For a coupled pair, input channel ``c`` of the consumer and filter ``c`` of the producer are one group:
+    the consumer's channel stage ranks channels by the squared norm of its column block plus that of the
+    producer's filter, and the producer keeps exactly the filters of the kept channels (its own filter stage,
+    if its spec has one, is superseded). A pair counts only when both are in ``specs`` and the consumer's
+    spec has a channel stage. Without couplings this is :func:`structured_masks` per layer.
+    """
+    live = {c: p for c, p in couplings.items()
+            if c in specs and p in specs and any(k == "channel" for k, _ in parse_spec(specs[c]).parts)}
+    consumer_of = {p: c for c, p in live.items()}
+    out: dict = {}
+
+    def masks(name):   # consumers before their producers: a producer's rows are its consumer's channels
+        if name not in out:
+            rows = bonus = None
+            if name in consumer_of:
+                _, ccols = masks(consumer_of[name])
+                w = weights[consumer_of[name]]
+                rows = ccols.view(w.shape[1], -1)[:, 0]
+            if name in live:
+                bonus = gemm_view(square_f32(weights[live[name]])).sum(1)
+            out[name] = structured_masks(weights[name], specs[name], rows=rows, channel_bonus=bonus)
+        return out[name]
+
+    for name in specs:
+        masks(name)
+    return out
+
+
+def coupled_project(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureSpec"],
+                    couplings: Mapping[str, str]) -> dict:
+    """``{name: W ⊙ mask}`` with the masks of :func:`coupled_masks`."""
+    return {name: apply_masks(weights[name], rows, cols)
+            for name, (rows, cols) in coupled_masks(weights, specs, couplings).items()}
 
 
 def masks_to_indices(rows: Tensor, cols: Tensor) -> Tuple[Tensor, Tensor]:
@@ -309,15 +364,25 @@ def _channel_runs(col_idx: Tensor, ksize: int) -> Optional[Tensor]:
     return None
 
 
-def _take_cols(g: Tensor, col_idx: Tensor, ksize: int, out: Optional[Tensor]) -> Tensor:
+def _chunk_index(row_idx: Tensor, ch: Tensor, c_in: int) -> Tensor:
+    """Numbers of the kept ``ksize``-float chunks in ``tensor.view(-1, ksize)``: (row r, channel c) → r·C_in + c.
+    One dim-0 gather of whole chunks is a row-wise memcpy in ATen, ~2-4× faster than gathering along dim 1."""
+    return (row_idx[:, None] * c_in + ch[None, :]).reshape(-1)
+
+
+def _take_cols(g: Tensor, row_idx: Tensor, col_idx: Tensor, ksize: int, out: Optional[Tensor]) -> Tensor:
+    """``g[row_idx][:, col_idx]`` for a column subset (rows: any subset, or all)."""
     ch = _channel_runs(col_idx, ksize)
     if ch is None:
+        # Rows first: dropping rows is a contiguous-chunk copy, and the column gather then runs over fewer rows.
+        g = g if row_idx.numel() == g.shape[0] else g.index_select(0, row_idx)
         return torch.index_select(g, 1, col_idx, out=out) if out is not None else g.index_select(1, col_idx)
-    g3 = g.view(g.shape[0], -1, ksize)
+    idx = _chunk_index(row_idx, ch, g.shape[1] // ksize)
+    chunks = g.reshape(-1, ksize)   # a view unless g is a non-contiguous input
     if out is not None:
-        torch.index_select(g3, 1, ch, out=out.view(g.shape[0], -1, ksize))
+        torch.index_select(chunks, 0, idx, out=out.view(-1, ksize))
         return out
-    return g3.index_select(1, ch).view(g.shape[0], -1)
+    return chunks.index_select(0, idx).view(row_idx.numel(), -1)
 
 
 def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None) -> Tensor:
@@ -339,8 +404,7 @@ def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None) -> Te
             return g.clone(memory_format=torch.contiguous_format)
         if all_cols:
             return g.index_select(0, row_idx)
-        # Rows first: dropping rows is a contiguous-chunk copy, and the column gather then runs over fewer rows.
-        return _take_cols(g if all_rows else g.index_select(0, row_idx), col_idx, ksize, None)
+        return _take_cols(g, row_idx, col_idx, ksize, None)
 
     o = _out2d(out, r, c, "shrink")
     with torch.no_grad():
@@ -351,7 +415,7 @@ def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None) -> Te
         elif all_cols:
             torch.index_select(g, 0, row_idx, out=o)
         else:
-            _take_cols(g if all_rows else g.index_select(0, row_idx), col_idx, ksize, o)
+            _take_cols(g, row_idx, col_idx, ksize, o)
     return o
 
 
@@ -396,8 +460,12 @@ def _scatter(dst, block, row_idx, col_idx, shape, n_rows, n_cols) -> Tensor:
             return block.reshape(shape).clone(memory_format=torch.contiguous_format)
         return dst.copy_(block.reshape(shape))
     g = gemm_view(dst)                   # a view: dst is contiguous here
+    ksize = shape[2] * shape[3] if len(shape) == 4 else 1
+    ch = _channel_runs(col_idx, ksize) if c < n_cols else None
     if c == n_cols:
         g.index_copy_(0, row_idx, block)
+    elif ch is not None:                 # whole kernel-sized chunks: one dim-0 copy of rows of ksize floats
+        dst.view(-1, ksize).index_copy_(0, _chunk_index(row_idx, ch, n_cols // ksize), block.reshape(-1, ksize))
     elif r == n_rows:
         # scatter_ with a broadcast (stride-0) index: about 2.5x faster than index_copy_ along dim 1 on CPU.
         g.scatter_(1, col_idx[None, :].expand(r, c), block)

@@ -60,6 +60,7 @@ class TrainConfig:
     freeze_round: Any = "auto"                 # int, "auto" (a third of the planned rounds) or None (patience)
     freeze_patience: int = 3
     masked_retrain: bool = True
+    coupled: bool = False                      # prune a conv's input channels with the filters producing them
     topk_ratio: float = 0.01                   # topk: fraction of each layer's gradient sent per step
     topk_warmup_steps: int = 0                 # topk: dense steps first
     pactrain_score: str = "magnitude"          # pactrain: magnitude | grasp
@@ -104,6 +105,8 @@ class TrainConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.method not in methods.METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(methods.METHODS)}")
+        if self.coupled and self.method not in ("prunex", "prunex-flat"):
+            raise ValueError(f"--coupled is a PruneX option (prunex, prunex-flat), not one of {self.method!r}")
 
     def as_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -242,7 +245,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(cfg, steps_per_epoch))
 
     meta = {"model": cfg.model, "dataset": cfg.dataset, "method": cfg.method, "sparsity": str(cfg.sparsity),
-            "world_size": topo.size, "num_nodes": topo.num_nodes, "ranks_per_node": topo.local_size,
+            "coupled": cfg.coupled, "world_size": topo.size, "num_nodes": topo.num_nodes, "ranks_per_node": topo.local_size,
             "batch_size": cfg.batch_size, "local_steps": local_steps, "seed": cfg.seed}
     os.makedirs(cfg.out, exist_ok=True)
     step, wall_offset, resumed = 0, 0.0, False

@@ -17,7 +17,32 @@ def _adapt(rho, primal, dual, rho_max):
     return min(rho, rho_max)
 
 
-def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, freezes=False):
+def _top(score, k):
+    order = sorted(range(len(score)), key=lambda c: (-float(score[c]), c))   # ties: lowest index kept
+    mask = torch.zeros(len(score), dtype=torch.bool)
+    mask[order[:k]] = True
+    return mask
+
+
+def reference_masks(weights, specs, couplings):
+    """Projection supports, written plainly: per layer, except coupled pairs (channel-only specs), where input
+    channel c of the consumer and filter c of the producer are one group ranked by their summed squares."""
+    out = {name: structured_masks(weights[name], spec) for name, spec in specs.items()}
+    for consumer, producer in couplings.items():
+        wc, wp = weights[consumer].double(), weights[producer].double()
+        for name in (consumer, producer):
+            assert str(specs[name]).startswith("channel:") and "+" not in str(specs[name]), specs[name]
+        keep = float(str(specs[consumer]).split(":")[1])
+        score = wc.pow(2).sum((0, 2, 3)) + wp.pow(2).reshape(wp.shape[0], -1).sum(1)
+        ch = _top(score, max(1, math.ceil(keep * wc.shape[1] - 1e-9)))
+        out[consumer] = (out[consumer][0], ch.repeat_interleave(wc.shape[2] * wc.shape[3]))
+        masked = weights[producer] * ch[:, None, None, None]
+        out[producer] = (ch, structured_masks(masked, specs[producer])[1])
+    return out
+
+
+def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, freezes=False,
+                    couplings=None):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
     frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers.
     ``freezes``: the masks freeze at the end of this round, cut to the requested structure from z."""
@@ -27,16 +52,25 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
     out = {"u": [{} for _ in states], "z_i": [{} for _ in range(M)], "v": [{} for _ in range(M)], "z": {},
            "rho1": {}, "rho2": {}, "masks": {}, "sent_masks": {}, "buffers": {}, "residuals": {}}
     d = lambda t: t.double()  # noqa: E731
+    couplings = couplings or {}
+    cands = {}
+    for name in states[0]["theta"]:
+        rho1, rho2 = states[0]["rho1"][name], states[0]["rho2"][name]
+        z_old = d(states[0]["z"][name])
+        cands[name] = []
+        for i, ranks in enumerate(node_ranks):
+            node_sum = sum(d(states[r]["theta"][name]) + d(states[r]["u"][name]) for r in ranks)
+            cands[name].append((rho1 * node_sum + rho2 * (z_old - d(states[ranks[0]]["v"][name])))
+                               / (weight_decay_z / M + P * rho1 + rho2))
+    projected = [reference_masks({n: cands[n][i].float() for n in specs}, specs, couplings) for i in range(M)]
     for name in states[0]["theta"]:
         rho1, rho2 = states[0]["rho1"][name], states[0]["rho2"][name]
         z_old = d(states[0]["z"][name])
         z_i, node_masks = [], []
         for i, ranks in enumerate(node_ranks):
-            lead = states[ranks[0]]
-            node_sum = sum(d(states[r]["theta"][name]) + d(states[r]["u"][name]) for r in ranks)
-            cand = (rho1 * node_sum + rho2 * (z_old - d(lead["v"][name]))) / (weight_decay_z / M + P * rho1 + rho2)
+            cand = cands[name][i]
             if name in specs:
-                rows, cols = lead["masks"][name] if frozen else structured_masks(cand.float(), specs[name])
+                rows, cols = states[ranks[0]]["masks"][name] if frozen else projected[i][name]
                 cand = cand * torch.outer(rows, cols).reshape(cand.shape)
                 node_masks.append((rows, cols))
             z_i.append(cand)
@@ -62,12 +96,12 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
         for r, s in enumerate(states):
             out["u"][r][name] = ((d(s["u"][name]) + d(s["theta"][name]) - z_i[node_of[r]]) * (rho1 / new1)).float()
         out["z"][name] = z.float()
-        if freezes and name in specs:
-            rows, cols = structured_masks(z.float(), specs[name])
-            out["masks"][name] = (rows, cols)
-            out["z"][name] = out["z"][name] * torch.outer(rows, cols).reshape(z.shape)
         out["rho1"][name], out["rho2"][name] = new1, new2
         out["residuals"][name] = (r_intra, s_intra, r_inter, s_inter)
+    if freezes:
+        for name, (rows, cols) in reference_masks({n: out["z"][n] for n in specs}, specs, couplings).items():
+            out["masks"][name] = (rows, cols)
+            out["z"][name] = out["z"][name] * torch.outer(rows, cols).reshape(out["z"][name].shape)
     for name in states[0]["buffers"]:
         out["buffers"][name] = torch.stack([d(s["buffers"][name]) for s in states]).mean(0).float()
     return out

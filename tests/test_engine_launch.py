@@ -20,7 +20,7 @@ def keep(k, n):
     return max(1, min(n, math.ceil(k * n - 1e-9)))
 
 
-def check(proc, tmp_path, specs, mask_itemsize=1):
+def check(proc, tmp_path, specs, mask_itemsize=1, couplings=None):
     results = worker_results(proc, tmp_path, "engine")
     ref_rounds = results[0]["ref_rounds"]
     assert results[0]["checks"] == 4 * ROUNDS and len(ref_rounds) == ROUNDS
@@ -51,7 +51,11 @@ def check(proc, tmp_path, specs, mask_itemsize=1):
             c_out, c_in, kh, kw = shapes[name]
             rows, channels, cols = res["final_support"][name]
             parts = dict(p.split(":") for p in spec.split("+"))
-            assert rows == (keep(float(parts["filter"]), c_out) if "filter" in parts else c_out), (name, rows)
+            want_rows = keep(float(parts["filter"]), c_out) if "filter" in parts else c_out
+            consumer = {p: c for c, p in (couplings or {}).items()}.get(name)
+            if consumer:   # coupled producer: one filter per channel its consumer kept
+                want_rows = keep(float(specs[consumer].split(":")[1]), c_out)
+            assert rows == want_rows, (name, rows)
             if "channel" in parts:
                 assert channels == keep(float(parts["channel"]), c_in), (name, channels)
             if "shape" in parts:
@@ -77,6 +81,15 @@ def test_engine_mpirun_gloo_composite_specs(tmp_path):
     proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "gloo", "--sparsity", MIXED_ARG,
                                     "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
     check(proc, tmp_path, MIXED)
+
+
+@needs_mpirun
+def test_engine_mpirun_coupled_channels(tmp_path):
+    """coupled=True: conv 3's input channels and conv 0's filters are pruned as one group, every round
+    checked against the reference's plain joint ranking; conv 0 ends with half its filters."""
+    proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "mpi", "--coupled", "--out", str(tmp_path)),
+                      ["PRUNEX_RANKS_PER_NODE=2"]))
+    check(proc, tmp_path, CHANNEL, couplings={"3.weight": "0.weight"})
 
 
 @needs_horovod

@@ -61,6 +61,7 @@ def test_cifar10_from_the_pickle_layout(tmp_path, capsys):
     (["--sparsity", "channel:2"], r"keep ratio must be in \(0, 1\]"),
     (["--sparsity", "{not json"], "does not parse"),
     (["--batch-size", "4000"], "batch"),
+    (["--method", "topk", "--coupled"], "--coupled is a PruneX option"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, capsys, args, message):
     if args[:2] == ["--model", "torchvision:resnet18"]:
@@ -82,3 +83,20 @@ def test_an_existing_run_is_not_overwritten(tmp_path, capsys):
     rc = cli.main(BASE + ["--dataset", "digits", "--epochs", "1", "--out", str(out)])
     assert rc == 2 and "already holds a run" in capsys.readouterr().err
     assert (out / "metrics.jsonl").read_text() == '{"event": "round"}\n'
+
+
+def test_coupled_channels_from_the_command_line(tmp_path, capsys):
+    """--coupled: inside each residual block the first conv loses the filters whose channels the second
+    conv dropped, so the finalized model is smaller than per-layer channel:0.5 would make it."""
+    out = tmp_path / "run"
+    rc = cli.main(BASE + ["--dataset", "synthetic", "--image-size", "8", "--batch-size", "16", "--epochs", "1",
+                          "--local-steps", "4", "--freeze-round", "1", "--coupled", "--out", str(out)])
+    assert rc == 0, capsys.readouterr()
+    assert json.loads((out / "config.json").read_text())["config"]["coupled"] is True
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["density"] < 0.47
+    state = torch.load(out / "final_model.pt")["state_dict"]
+    for block in ("layer1.0", "layer2.0", "layer3.0"):
+        dead_in = state[f"{block}.conv2.weight"].abs().sum((0, 2, 3)) == 0
+        dead_out = state[f"{block}.conv1.weight"].flatten(1).abs().sum(1) == 0
+        assert torch.equal(dead_in, dead_out) and int(dead_in.sum()) == dead_in.numel() // 2

@@ -50,6 +50,7 @@ def main():
     ap.add_argument("--local-steps", type=int, default=3)
     ap.add_argument("--freeze-round", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--coupled", action="store_true")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
@@ -67,7 +68,7 @@ def main():
     opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4),
                                   model, sparsity=spec, local_steps=10**6, rho1=0.05, rho2=0.02,
                                   weight_decay_z=0.01, freeze_round=a.freeze_round, bucket_mb=0.002,
-                                  backend=a.backend)
+                                  backend=a.backend, coupled=a.coupled)
     start = control.allgather_object({k: v.cpu().clone() for k, v in model.state_dict().items()})
     for k in start[0]:
         assert all(torch.equal(s[k], start[0][k]) for s in start), f"{k} differs after construction"
@@ -89,7 +90,8 @@ def main():
             eng = opt._engine
             want = reference_round(before, topo.node_ranks, {e.name: e.spec for e in eng.structured},
                                    weight_decay_z=0.01, rho_max=eng.rho_max, adaptive=eng.adaptive_rho,
-                                   freezes=after[0]["frozen"] and not before[0]["frozen"])
+                                   freezes=after[0]["frozen"] and not before[0]["frozen"],
+                                   couplings=eng.couplings)
             for r, got in enumerate(after):
                 node = topo.node_of(r)
                 for name in got["theta"]:
