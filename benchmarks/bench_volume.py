@@ -6,7 +6,8 @@
 
 For each model it launches itself under mpirun (4 ranks = 2 emulated nodes x 2, PRUNEX_RANKS_PER_NODE=2; one
 launch per model, so each model's memory is returned before the next) and trains it for real with
-``px.DistributedOptimizer`` (channel:0.5, ``--local-steps`` SGD steps per round) on the ``synthetic`` dataset:
+``px.DistributedOptimizer`` (channel:0.5, coupled unless ``--no-coupled``, ``--local-steps`` SGD steps per
+round) on the ``synthetic`` dataset:
 
 * measured: the engine's own per-round bytes (``opt.stats()`` differences: the compact consensus exchange on the
   leaders' group, its dense counterfactual, and everything that crossed a node boundary: masks and residual
@@ -14,12 +15,13 @@ launch per model, so each model's memory is returned before the next) and trains
   is the steady state: exactly the requested structure.
 * sweep: every rank keeps its node's exact candidate z~_i of the last unfrozen round (the tensor the engine
   projected: captured by wrapping ``prunex_hvd.admm.node_candidate``, whose result is passed on unchanged). For
-  every kind (filter, channel, composite = filter+channel at the same keep) and keep, each node's masks are
-  ``sparsity.structured_masks`` of its candidate, OR'd over the two nodes as the engine does, and the compact
+  every kind (filter, channel, channel-coupled = channel with the producing filters of dropped channels
+  dropped too, composite = filter+channel at the same keep) and keep, each node's masks are
+  ``sparsity.coupled_masks`` of its candidate, OR'd over the two nodes as the engine does, and the compact
   count Sum|rows|.|cols| + dense parameters + float buffers is set against the dense count. "frozen" is the
   count of one node's masks alone: what a round sends once the masks are frozen (exactly the requested
-  structure, the same for any weights). The channel:0.5 OR count is checked against the bytes the engine
-  itself sent in that round, and the frozen count against the engine's frozen round.
+  structure, the same for any weights). The engine's own kind at 0.5: its OR count is checked against the bytes it
+  sent in that round, and the frozen count against the engine's frozen round.
 
 Prints one JSON document (also written to --out). Byte figures are for float32 under the ring model of
 ``prunex_hvd.comm.accounting`` (for two nodes exact for any allreduce algorithm: each leader sends its
@@ -36,12 +38,14 @@ import time
 import benchjson  # benchmarks/ is the script's own folder, first on sys.path
 
 HERE = os.path.abspath(__file__)
-KINDS = ("filter", "channel", "composite")
+KINDS = ("filter", "channel", "channel-coupled", "composite")
 TARGET = 0.40   # paper, Sec. 5.3.1 / Fig. 6: the compact message "stabilizing at approximately 40%" of dense
 
 
 def spec_of(kind: str, keep: float) -> str:
-    return f"filter:{keep}+channel:{keep}" if kind == "composite" else f"{kind}:{keep}"
+    if kind == "composite":
+        return f"filter:{keep}+channel:{keep}"
+    return f"channel:{keep}" if kind == "channel-coupled" else f"{kind}:{keep}"
 
 
 # ------------------------------------------------------------------------------------------------- worker
@@ -52,7 +56,7 @@ def worker(a) -> None:
     import torch.nn.functional as F
 
     import prunex_hvd as px
-    from prunex_hvd import admm, models, sparsity
+    from prunex_hvd import admm, dependencies, models, sparsity
     from prunex_hvd.comm.accounting import ring_cross_node_bytes
     from prunex_hvd.data import ShardedLoader, load_dataset
     from prunex_hvd.runtime import state
@@ -72,7 +76,9 @@ def worker(a) -> None:
     base = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9, weight_decay=5e-4)
     freeze_round = a.freeze_round if a.freeze_round > 0 else None
     opt = px.DistributedOptimizer(base, model, sparsity="channel:0.5", local_steps=a.local_steps,
-                                  rho1=a.rho1, rho2=a.rho2, freeze_round=freeze_round, freeze_patience=10**6)
+                                  rho1=a.rho1, rho2=a.rho2, freeze_round=freeze_round, freeze_patience=10**6,
+                                  coupled=a.coupled)
+    couplings = dependencies.channel_couplings(model)
 
     # The node candidate z~_i of each round, in entry (= named_parameters) order; kept for the last unfrozen
     # round. Every rank of a node computes the same candidate (the intra sum is an allreduce).
@@ -137,10 +143,9 @@ def worker(a) -> None:
         if i % topo.local_size != topo.local_rank or not cand:
             continue
         spec = sparsity.parse_spec(spec_of(kind, keep))
-        packed = []
-        for n in structured:
-            rows, cols = sparsity.structured_masks(cand[n], spec)
-            packed.append((np.packbits(rows.numpy()), np.packbits(cols.numpy())))
+        masks = sparsity.coupled_masks(cand, {n: spec for n in structured},
+                                       couplings if kind == "channel-coupled" else {})
+        packed = [(np.packbits(masks[n][0].numpy()), np.packbits(masks[n][1].numpy())) for n in structured]
         mine[(kind, keep)] = packed
     captured = cand = None
     gathered = control.allgather_object((topo.node, topo.rank, mine))
@@ -189,17 +194,18 @@ def worker(a) -> None:
     itemsize = 4
     unfrozen = [r for r in rounds if not r["masks_frozen"]]
     frozen_rounds = [r for r in rounds if r["masks_frozen"]]
-    check = {"spec": "channel:0.5"}
-    if (("channel", 0.5) in counts) and unfrozen:
+    engine_kind = "channel-coupled" if a.coupled else "channel"
+    check = {"spec": "channel:0.5", "coupled": a.coupled}
+    if ((engine_kind, 0.5) in counts) and unfrozen:
         last = unfrozen[-1]
-        offline = counts[("channel", 0.5)][0] * itemsize
+        offline = counts[(engine_kind, 0.5)][0] * itemsize
         check.update({"round": last["round"], "what": "OR of the two nodes' masks of the round's candidates",
                       "offline_bytes_per_leader": offline,
                       "engine_bytes_per_leader": last["inter_consensus_bytes"],
                       "difference_bytes": offline - last["inter_consensus_bytes"],
                       "equal": offline == last["inter_consensus_bytes"]})
         if frozen_rounds:
-            offline_frozen = counts[("channel", 0.5)][1] * itemsize
+            offline_frozen = counts[(engine_kind, 0.5)][1] * itemsize
             check["frozen"] = {"round": frozen_rounds[-1]["round"], "offline_bytes_per_leader": offline_frozen,
                                "engine_bytes_per_leader": frozen_rounds[-1]["inter_consensus_bytes"],
                                "equal": offline_frozen == frozen_rounds[-1]["inter_consensus_bytes"]}
@@ -252,7 +258,7 @@ def worker(a) -> None:
            "train": {"ranks": topo.size, "nodes": topo.num_nodes, "launcher": topo.launcher,
                      "dataset": f"synthetic {a.image_size}x{a.image_size}", "batch_size": a.batch_size,
                      "local_steps": a.local_steps, "rounds": a.rounds, "freeze_round": freeze_round,
-                     "sparsity": "channel:0.5", "lr": a.lr, "rho1": a.rho1, "rho2": a.rho2,
+                     "sparsity": "channel:0.5", "coupled": a.coupled, "coupled_pairs": len(couplings), "lr": a.lr, "rho1": a.rho1, "rho2": a.rho2,
                      "threads_per_rank": threads, "train_seconds": round(train_seconds, 1),
                      "sweep_seconds": round(sweep_seconds, 1),
                      "candidate_round": check.get("round")},
@@ -277,6 +283,8 @@ def main():
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--rho1", type=float, default=0.01, help="the CLI's default (the paper's 1.5e-3 needs ~60 rounds)")
     ap.add_argument("--rho2", type=float, default=0.01)
+    ap.add_argument("--no-coupled", dest="coupled", action="store_false",
+                    help="run the engine with per-layer channel pruning (the sweep shows both either way)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per model launch")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true")
@@ -300,7 +308,7 @@ def main():
                "--worker", "--model", model, "--rounds", str(a.rounds), "--local-steps", str(a.local_steps),
                "--batch-size", str(a.batch_size), "--image-size", str(a.image_size),
                "--freeze-round", str(a.freeze_round), "--keeps", ",".join(map(str, a.keeps)),
-               "--lr", str(a.lr), "--rho1", str(a.rho1), "--rho2", str(a.rho2)]
+               "--lr", str(a.lr), "--rho1", str(a.rho1), "--rho2", str(a.rho2)] + ([] if a.coupled else ["--no-coupled"])
         t_model = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("BENCH_JSON ")), None)
@@ -312,14 +320,16 @@ def main():
         print(f"[bench_volume] {model}: {results[model]['launch_wall_s']} s", file=sys.stderr, flush=True)
 
     doc = {"benchmark": "volume",
-           "setup": "4 ranks = 2 emulated nodes x 2 under mpirun; real px.DistributedOptimizer training, channel:0.5",
+           "setup": "4 ranks = 2 emulated nodes x 2 under mpirun; real px.DistributedOptimizer training, channel:0.5"
+                    + (" coupled (a conv's dropped input channels drop their producer's filters)" if a.coupled else ""),
            "target": f"<= {TARGET:.2f}x dense at keep 0.5 (paper, Sec. 5.3.1 / Fig. 6: the compact message "
                      f"stabilises at ~40% of dense, a ~60% cut)",
            "reading": "sweep ratios are compact/dense elements of one consensus message per leader; 'or' = the "
                       "OR of the two nodes' masks of this short run's last unfrozen round (what a round sends "
                       "while masks move), 'frozen' = exactly the requested structure (what every round sends "
                       "once masks are frozen). Channel or filter keep 0.5 keeps half of every conv plus the "
-                      "dense BN/FC/buffers, so ~0.5x is the floor for them; composite keeps ~a quarter.",
+                      "dense BN/FC/buffers, so ~0.5x is the floor for them; channel-coupled also drops the filters "
+                      "that produce dropped channels (inside residual blocks); composite keeps ~a quarter.",
            "models": results, "wall_s": round(time.perf_counter() - t0, 1),
            "host": {"cpus": os.cpu_count(), "load_avg_at_end": [round(x, 1) for x in os.getloadavg()]}}
     benchjson.emit(doc, a.out)
