@@ -33,6 +33,17 @@ def timed(fn, sync):
     return time.perf_counter() - t0
 
 
+def interleaved_medians(ops, reps, sync):
+    """Median seconds of each op, the ops taking turns in every repetition (after one warm-up call each)."""
+    for fn in ops.values():
+        fn()
+    times = {k: [] for k in ops}
+    for _ in range(reps):
+        for k, fn in ops.items():
+            times[k].append(timed(fn, sync))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def measure(shape, spec, device, reps):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     w = torch.randn(shape, device=device)
@@ -50,13 +61,7 @@ def measure(shape, spec, device, reps):
         "recover": lambda: sparsity.recover(bucket, r_idx, c_idx, w.shape, out=full),
         "copy_full": lambda: full.copy_(src_full),
     }
-    for fn in ops.values():   # warm-up
-        fn()
-    times = {k: [] for k in ops}
-    for _ in range(reps):
-        for k, fn in ops.items():
-            times[k].append(timed(fn, sync))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = interleaved_medians(ops, reps, sync)
     assert torch.equal(sparsity.recover(sparsity.shrink(w, r_idx, c_idx), r_idx, c_idx, w.shape),
                        sparsity.apply_masks(w, rows, cols))
     return {"shape": list(shape), "spec": spec, "compact_fraction": n / w.numel(),
@@ -94,13 +99,7 @@ def measure_model(name, spec, device, reps):
         for v, f in zip(dviews, fulls):
             f.copy_(v.view_as(f))
     ops = {"shrink": pack, "copy_pack": dense_pack, "recover": unpack, "copy_unpack": dense_unpack}
-    for fn in ops.values():
-        fn()
-    times = {k: [] for k in ops}
-    for _ in range(reps):
-        for k, fn in ops.items():
-            times[k].append(timed(fn, sync))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = interleaved_medians(ops, reps, sync)
     return {"model": name, "spec": spec, "conv_MB": 4 * dense.numel() / 1e6, "compact_MB": 4 * bucket.numel() / 1e6,
             "shrink_vs_copy": med["copy_pack"] / med["shrink"], "recover_vs_copy": med["copy_unpack"] / med["recover"]}
 

@@ -38,7 +38,9 @@ def volume(d: dict, out: str, md: List[str]) -> List[str]:
                      label=f"{name} PruneX")
         axes[0].plot([r["round"] for r in rounds], [r["dense_MiB_per_leader"] for r in rounds], "--", alpha=0.5,
                      label=f"{name} dense")
-        for kind, style in (("channel", "-"), ("filter", ":"), ("composite", "-.")):
+        for kind, style in (("channel", "-"), ("channel-coupled", "--"), ("filter", ":"), ("composite", "-.")):
+            if kind not in m["sweep"]:
+                continue
             keeps = sorted(m["sweep"][kind], key=float)
             axes[1].plot([float(k) for k in keeps], [m["sweep"][kind][k]["or"] for k in keeps], style, marker="o",
                          label=f"{name} {kind}")
@@ -50,14 +52,15 @@ def volume(d: dict, out: str, md: List[str]) -> List[str]:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
+    kinds = [k for k in ("filter", "channel", "channel-coupled", "composite")
+             if all(k in m["sweep"] for m in models.values())]
     md += ["## Inter-node volume (bench_volume)", "",
-           "| model | dense MiB/round | channel 0.5 run total | keep 0.5 frozen: filter / channel / composite |",
-           "|---|---:|---:|---|"]
+           f"| model | dense MiB/round | engine run total (channel 0.5{' coupled' if 'coupled' in d.get('setup', '') else ''}) | "
+           f"keep 0.5 frozen: {' / '.join(kinds)} |", "|---|---:|---:|---|"]
     for name, m in models.items():
         sw = m["sweep"]
         md.append(f"| {name} | {m['dense_MiB_per_round']:.1f} | {m['run_totals']['ratio_all_inter']:.3f}× | "
-                  f"{sw['filter']['0.5']['frozen']:.3f} / {sw['channel']['0.5']['frozen']:.3f} / "
-                  f"{sw['composite']['0.5']['frozen']:.3f} |")
+                  + " / ".join(f"{sw[k]['0.5']['frozen']:.3f}" for k in kinds) + " |")
     return [_save(fig, out, "volume.png")]
 
 
@@ -100,17 +103,19 @@ def shrink(d: dict, out: str, md: List[str]) -> List[str]:
         ax.bar([x + 0.2 for x in xs], [c["recover_vs_copy"] for c in cases], 0.4, label="recover / copy")
         ax.axhline(0.5, color="k", lw=0.8, ls="--")
         ax.set_xticks(list(xs), labels, rotation=90, fontsize=6)
-        ax.set(title=f"Shrink / recover throughput vs a copy of the same bytes ({dev})", ylabel="× copy")
+        ax.set(title=f"Shrink / recover throughput vs a copy of the same tensor ({dev})", ylabel="× copy")
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
         paths.append(_save(fig, out, f"shrink_{dev}.png"))
         md += ["", f"## Shrink + recover vs copy (bench_shrink, {dev})", "",
-               f"median shrink {r['median_shrink_vs_copy']:.2f}×, recover {r['median_recover_vs_copy']:.2f}× "
-               f"of a copy (target ≥ 0.5); the model-level figure is `model_round` below when present."]
-        if "model_round" in r:
-            mr = r["model_round"]
-            md.append(f"whole round of {mr['model']}: shrink {mr['shrink_vs_copy']:.2f}×, recover "
-                      f"{mr['recover_vs_copy']:.2f}× of copying the same bytes")
+               f"per layer: median shrink {r['median_shrink_vs_copy']:.2f}×, recover "
+               f"{r['median_recover_vs_copy']:.2f}× of copying the same tensor (target ≥ 0.5); shrink against "
+               f"copying only the compact bytes: {r.get('median_shrink_vs_copy_compact', float('nan')):.2f}×."]
+        if r.get("models"):
+            md += ["", "| model | spec | conv MB | compact MB | shrink × dense pack | recover × dense unpack |",
+                   "|---|---|---:|---:|---:|---:|"]
+            md += [f"| {m['model']} | {m['spec']} | {m['conv_MB']:.1f} | {m['compact_MB']:.1f} | "
+                   f"{m['shrink_vs_copy']:.2f} | {m['recover_vs_copy']:.2f} |" for m in r["models"]]
     return paths
 
 
