@@ -23,7 +23,8 @@ the ``orted`` of host k inside ``pxhk``): Open MPI and Horovod see M real hosts,
 the hosts themselves (``PRUNEX_RANKS_PER_NODE`` is not set), ranks of a host talk over shared memory and
 ranks of different hosts over TCP through the shaped links.
 
-Every method runs ``prunex-hvd train`` with the same knobs. Per (bandwidth, method) the JSON record has the
+Every method runs ``prunex-hvd train`` with the same knobs, plus its own ``--method-args METHOD=ARGS`` if given
+(e.g. the linear-scaling lr of a local-SGD method). Per (bandwidth, method) the JSON record has the
 wall time to target (``wall_s`` of the first ``metrics.jsonl`` round whose ``test_acc`` ≥ target; the
 trainer's ``wall_s`` excludes evaluation and checkpoint time), the final accuracy, the library's own
 ``inter_bytes`` (ring model, whole job) and what the kernel counted: ``kernel_inter_bytes`` = Σ over hosts
@@ -388,7 +389,9 @@ def run_one(args, bw: str, method: str, mca: Dict[str, str], timeout_s: float) -
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PRUNEX_RANKS_PER_NODE", "OMPI_MCA_"))}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PXC_CONTROL_PLANE=control,
                PXC_HOSTS=" ".join(f"pxh{k}" for k in range(args.hosts)), PYTHONUNBUFFERED="1")
-    train_argv = args.train_args.split() + ["--method", name, "--out", out_dir]
+    # later flags win in argparse: a method's own args override the shared ones
+    train_argv = args.train_args.split() + args.method_args.get(method, args.method_args.get(name, "")).split() \
+        + ["--method", name, "--out", out_dir]
     cmd = mpirun_command(args.hosts, args.ranks_per_host, mca, train_argv)
     log(f"{bw} {method}: start (timeout {timeout_s:.0f} s, control plane {control})")
     before = snapshot(args.hosts)
@@ -447,6 +450,10 @@ def main(argv=None) -> int:
     p.add_argument("--target", type=float, default=0.90, help="test accuracy that counts as reached")
     p.add_argument("--train-args", default=DEFAULT_TRAIN_ARGS,
                    help="arguments for `prunex-hvd train`, the same for every method (--method and --out are added)")
+    p.add_argument("--method-args", action="append", default=[], metavar="METHOD=ARGS",
+                   help="extra `prunex-hvd train` arguments for one method, after the shared ones (repeatable), "
+                        "e.g. 'prunex=--lr 0.0125': local-SGD methods take one rank's batch per update where dense "
+                        "averages all ranks', so the linear scaling rule gives them lr / world size")
     p.add_argument("--collectives", choices=("ring", "default"), default="ring",
                    help="ring: force Open MPI's ring allreduce/allgather(v) (what the library accounts); "
                         "default: Open MPI's own choice")
@@ -482,8 +489,17 @@ def main(argv=None) -> int:
         p.error(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
     if not (1 <= args.hosts <= 250) or args.ranks_per_host < 1:
         p.error("need 1 <= --hosts <= 250 and --ranks-per-host >= 1")
-    if "--method" in args.train_args.split() or "--out" in args.train_args.split():
-        p.error("--train-args must not hold --method or --out (the script sets them)")
+    method_args = {}
+    for item in args.method_args:
+        m, sep, extra = item.partition("=")
+        listed = args.methods.split(",")
+        if not sep or m not in listed + [x.partition("@")[0] for x in listed]:
+            p.error(f"--method-args {item!r}: expected METHOD=ARGS for one of --methods ({args.methods})")
+        method_args[m] = extra
+    args.method_args = method_args
+    for extra in [args.train_args] + list(method_args.values()):
+        if "--method" in extra.split() or "--out" in extra.split():
+            p.error("--train-args and --method-args must not hold --method or --out (the script sets them)")
     leftovers = our_namespaces()
     if leftovers:
         print(f"emulated_cluster: namespaces of an earlier run are still there ({', '.join(leftovers)}): "
@@ -516,7 +532,7 @@ def main(argv=None) -> int:
                                        "host namespace, minus rx_bytes of the launcher's eth0; whole job",
                        "shaping": {}, "link_check_mbit": {}},
            "mpirun_mca": mca, "collectives": args.collectives, "control_plane": args.control_plane,
-           "train_args": args.train_args, "target": args.target, "results": [], "summary": {}}
+           "train_args": args.train_args, "method_args": args.method_args, "target": args.target, "results": [], "summary": {}}
     status = 0
     try:
         log(f"building {args.hosts} hosts x {args.ranks_per_host} ranks (mtu {args.mtu})")

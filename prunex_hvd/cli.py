@@ -148,7 +148,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--local-steps", type=int, default=None, help="steps per round (overrides --local-epochs)")
     g.add_argument("--batch-size", type=int, default=D.batch_size, help="per rank")
     g.add_argument("--test-batch-size", type=int, default=D.test_batch_size)
-    g.add_argument("--lr", type=float, default=D.lr)
+    g.add_argument("--lr", type=float, default=D.lr,
+                   help="per update. prunex/prunex-flat update on one rank's batch between rounds, dense on the "
+                        "average over all ranks: from a dense lr L over W ranks start PruneX near L/W")
     g.add_argument("--momentum", type=float, default=D.momentum)
     g.add_argument("--weight-decay", type=float, default=D.weight_decay)
     g.add_argument("--nesterov", action="store_true")

@@ -8,6 +8,10 @@ Tuning (what each knob does to speed and accuracy):
 * ``local_steps`` — wrapped steps between consensus rounds. Communication happens only in rounds, so
   traffic falls as 1/local_steps; too many steps let ranks drift apart (higher primal residual, slower
   agreement). The paper uses 5–10 local epochs per round on CIFAR; start with one epoch per round.
+* the wrapped optimizer's ``lr`` — between rounds each rank steps on its own batch, where data-parallel SGD
+  steps on the average of all ranks' batches. Coming from a dense recipe with lr L over W ranks, start at
+  about L / W (the linear scaling rule). Measured with ResNet-18, 2×2 ranks and batch 16: lr 0.05 reached
+  0.80 test accuracy after 15.5 epochs, lr 0.0125 after 11.
 * ``rho1`` — pull of each rank's θ toward its node consensus z_i, added to every gradient. Larger: ranks of a
   node stay together and the structure is reached sooner, at the cost of freedom to fit local data
   (accuracy). ``rho2`` — pull of each node toward the global z; keep it ~10× smaller than rho1 so nodes can
