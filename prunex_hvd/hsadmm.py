@@ -44,7 +44,13 @@ class Entry:
     cols: Optional[torch.Tensor] = None
     row_idx: Optional[torch.Tensor] = None
     col_idx: Optional[torch.Tensor] = None
+    chunks: Optional[torch.Tensor] = None    # sparsity.chunk_index of the index sets, kept while they hold
     residuals: Dict[str, float] = field(default_factory=dict)
+
+    def set_masks(self, rows: torch.Tensor, cols: torch.Tensor) -> None:
+        self.rows, self.cols = rows, cols
+        self.row_idx, self.col_idx = sparsity.masks_to_indices(rows, cols)
+        self.chunks = sparsity.chunk_index(self.row_idx, self.col_idx, self.param.shape)
 
     @property
     def structured(self) -> bool:
@@ -90,9 +96,8 @@ class HSADMM:
                       v=torch.zeros_like(theta), z=theta.clone(), rho1=float(rho1), rho2=float(rho2))
             if e.structured:   # masks start all ones
                 c_out = theta.shape[0]
-                e.rows = torch.ones(c_out, dtype=torch.bool, device=self.device)
-                e.cols = torch.ones(theta.numel() // c_out, dtype=torch.bool, device=self.device)
-                e.row_idx, e.col_idx = sparsity.masks_to_indices(e.rows, e.cols)
+                e.set_masks(torch.ones(c_out, dtype=torch.bool, device=self.device),
+                            torch.ones(theta.numel() // c_out, dtype=torch.bool, device=self.device))
             self.entries.append(e)
         self.structured = [e for e in self.entries if e.structured]
         self.round = 0
@@ -195,7 +200,7 @@ class HSADMM:
             for k, e in enumerate(self.entries):
                 c = z_i_new[k] + e.v
                 if e.structured:
-                    sparsity.shrink(c, e.row_idx, e.col_idx, out=layout.views[k])
+                    sparsity.shrink(c, e.row_idx, e.col_idx, out=layout.views[k], chunks=e.chunks)
                 else:
                     layout.views[k].copy_(c.reshape(-1))
             for j in range(len(self.buffers)):
@@ -211,7 +216,7 @@ class HSADMM:
         s_inter_sq = []
         for k, e in enumerate(self.entries):
             if e.structured:
-                z_new = sparsity.recover(layout.views[k], e.row_idx, e.col_idx, e.z.shape)
+                z_new = sparsity.recover(layout.views[k], e.row_idx, e.col_idx, e.z.shape, chunks=e.chunks)
             else:
                 z_new = layout.views[k].view_as(e.z).clone()
             theta = e.param.detach()
@@ -251,8 +256,7 @@ class HSADMM:
         is the requested one, cut from the global z (the same on every rank): the retraining phase then trains
         exactly the model that :meth:`finalize` returns."""
         for e, (rows, cols) in zip(self.structured, self._masks({e.name: e.z for e in self.structured})):
-            e.rows, e.cols = rows, cols
-            e.row_idx, e.col_idx = sparsity.masks_to_indices(e.rows, e.cols)
+            e.set_masks(rows, cols)
             e.z = sparsity.apply_masks(e.z, e.rows, e.cols)
         self._compact = self._support = None
         self.frozen = True
@@ -285,8 +289,7 @@ class HSADMM:
             both = int((rows & e.rows).sum()) * int((cols & e.cols).sum())
             changed += int(rows.sum()) * int(cols.sum()) + int(e.rows.sum()) * int(e.cols.sum()) - 2 * both
             kept_total += nr * nc
-            e.rows, e.cols = rows, cols
-            e.row_idx, e.col_idx = sparsity.masks_to_indices(rows, cols)
+            e.set_masks(rows, cols)
         self.mask_drift = changed / kept_total
         if changed:
             self._compact = None   # the compact shapes changed: new buckets
@@ -399,8 +402,7 @@ class HSADMM:
                 getattr(e, key).copy_(s[key])
             e.rho1, e.rho2, e.residuals = float(s["rho1"]), float(s["rho2"]), dict(s["residuals"])
             if e.structured:
-                e.rows, e.cols = s["rows"].to(self.device).clone(), s["cols"].to(self.device).clone()
-                e.row_idx, e.col_idx = sparsity.masks_to_indices(e.rows, e.cols)
+                e.set_masks(s["rows"].to(self.device).clone(), s["cols"].to(self.device).clone())
         self.round, self.frozen = int(sd["round"]), bool(sd["frozen"])
         self.stable_rounds, self.mask_drift = int(sd["stable_rounds"]), float(sd["mask_drift"])
         self.bytes = dict(sd["bytes"])

@@ -370,14 +370,30 @@ def _chunk_index(row_idx: Tensor, ch: Tensor, c_in: int) -> Tensor:
     return (row_idx[:, None] * c_in + ch[None, :]).reshape(-1)
 
 
-def _take_cols(g: Tensor, row_idx: Tensor, col_idx: Tensor, ksize: int, out: Optional[Tensor]) -> Tensor:
-    """``g[row_idx][:, col_idx]`` for a column subset (rows: any subset, or all)."""
+def chunk_index(row_idx, col_idx, shape) -> Optional[Tensor]:
+    """What :func:`shrink` / :func:`recover` compute on every call for a channel-structured block on CPU (the
+    kept kernel-sized chunks), or None where they take another path. Pass it as ``chunks=`` while the masks
+    stay the same (frozen masks: every remaining round): a layer's shrink then costs one gather."""
+    shape = torch.Size(shape)
+    ksize = shape[2] * shape[3] if len(shape) == 4 else 1
+    col_idx = _idx(col_idx, "cpu") if not isinstance(col_idx, Tensor) else col_idx
+    if len(col_idx) == shape.numel() // shape[0]:
+        return None
     ch = _channel_runs(col_idx, ksize)
-    if ch is None:
-        # Rows first: dropping rows is a contiguous-chunk copy, and the column gather then runs over fewer rows.
-        g = g if row_idx.numel() == g.shape[0] else g.index_select(0, row_idx)
-        return torch.index_select(g, 1, col_idx, out=out) if out is not None else g.index_select(1, col_idx)
-    idx = _chunk_index(row_idx, ch, g.shape[1] // ksize)
+    return None if ch is None else _chunk_index(_idx(row_idx, col_idx.device), ch, shape[1])
+
+
+def _take_cols(g: Tensor, row_idx: Tensor, col_idx: Tensor, ksize: int, out: Optional[Tensor],
+               chunks: Optional[Tensor] = None) -> Tensor:
+    """``g[row_idx][:, col_idx]`` for a column subset (rows: any subset, or all)."""
+    idx = chunks
+    if idx is None:
+        ch = _channel_runs(col_idx, ksize)
+        if ch is None:
+            # Rows first: dropping rows is a contiguous-chunk copy, and the column gather then runs over fewer rows.
+            g = g if row_idx.numel() == g.shape[0] else g.index_select(0, row_idx)
+            return torch.index_select(g, 1, col_idx, out=out) if out is not None else g.index_select(1, col_idx)
+        idx = _chunk_index(row_idx, ch, g.shape[1] // ksize)
     chunks = g.reshape(-1, ksize)   # a view unless g is a non-contiguous input
     if out is not None:
         torch.index_select(chunks, 0, idx, out=out.view(-1, ksize))
@@ -385,12 +401,12 @@ def _take_cols(g: Tensor, row_idx: Tensor, col_idx: Tensor, ksize: int, out: Opt
     return chunks.index_select(0, idx).view(row_idx.numel(), -1)
 
 
-def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None) -> Tensor:
+def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None, chunks: Optional[Tensor] = None) -> Tensor:
     """The kept block ``gemm_view(tensor)[row_idx][:, col_idx]`` as a contiguous ``(len(row_idx), len(col_idx))``.
 
     With ``out`` (any contiguous tensor of that many elements, e.g. a slice of a flat communication bucket)
     the block is written there and ``out`` is returned viewed as 2-D; ``out`` may have another dtype (it is
-    cast). The ``out`` path is not differentiable.
+    cast). The ``out`` path is not differentiable. ``chunks``: :func:`chunk_index` of these index sets, cached.
     """
     g = gemm_view(tensor)
     n_rows, n_cols = g.shape
@@ -404,7 +420,7 @@ def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None) -> Te
             return g.clone(memory_format=torch.contiguous_format)
         if all_cols:
             return g.index_select(0, row_idx)
-        return _take_cols(g, row_idx, col_idx, ksize, None)
+        return _take_cols(g, row_idx, col_idx, ksize, None, chunks)
 
     o = _out2d(out, r, c, "shrink")
     with torch.no_grad():
@@ -415,16 +431,18 @@ def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None) -> Te
         elif all_cols:
             torch.index_select(g, 0, row_idx, out=o)
         else:
-            _take_cols(g, row_idx, col_idx, ksize, o)
+            _take_cols(g, row_idx, col_idx, ksize, o, chunks)
     return o
 
 
-def recover(compact: Tensor, row_idx, col_idx, shape, out: Optional[Tensor] = None) -> Tensor:
+def recover(compact: Tensor, row_idx, col_idx, shape, out: Optional[Tensor] = None,
+            chunks: Optional[Tensor] = None) -> Tensor:
     """Inverse of :func:`shrink`: a tensor of ``shape``, zero except at ``row_idx × col_idx`` (gemm view).
 
     ``compact`` is the block, flat or 2-D. With ``out`` (a tensor of ``shape``) it is zero-filled, written and
     returned (not differentiable); otherwise a new tensor of ``compact``'s dtype and device is made.
     ``recover(shrink(W, r, c), r, c, W.shape)`` equals ``W`` wherever ``W`` is supported on ``r × c``.
+    ``chunks``: :func:`chunk_index` of these index sets, cached.
     """
     shape = torch.Size(shape)
     n_rows = shape[0]
@@ -444,16 +462,16 @@ def recover(compact: Tensor, row_idx, col_idx, shape, out: Optional[Tensor] = No
     block = compact.reshape(r, c)
     if out is None:
         res = block.new_zeros(shape) if (r, c) != (n_rows, n_cols) else None
-        return _scatter(res, block, row_idx, col_idx, shape, n_rows, n_cols)
+        return _scatter(res, block, row_idx, col_idx, shape, n_rows, n_cols, chunks)
     with torch.no_grad():
         block = block.detach().to(device=out.device, dtype=out.dtype)
         if (r, c) != (n_rows, n_cols):
             out.zero_()
-        _scatter(out, block, row_idx, col_idx, shape, n_rows, n_cols)
+        _scatter(out, block, row_idx, col_idx, shape, n_rows, n_cols, chunks)
     return out
 
 
-def _scatter(dst, block, row_idx, col_idx, shape, n_rows, n_cols) -> Tensor:
+def _scatter(dst, block, row_idx, col_idx, shape, n_rows, n_cols, chunks=None) -> Tensor:
     r, c = block.shape
     if (r, c) == (n_rows, n_cols):       # dense: nothing to zero, a straight copy
         if dst is None:
@@ -461,11 +479,13 @@ def _scatter(dst, block, row_idx, col_idx, shape, n_rows, n_cols) -> Tensor:
         return dst.copy_(block.reshape(shape))
     g = gemm_view(dst)                   # a view: dst is contiguous here
     ksize = shape[2] * shape[3] if len(shape) == 4 else 1
-    ch = _channel_runs(col_idx, ksize) if c < n_cols else None
+    if chunks is None and c < n_cols:
+        ch = _channel_runs(col_idx, ksize)
+        chunks = None if ch is None else _chunk_index(row_idx, ch, n_cols // ksize)
     if c == n_cols:
         g.index_copy_(0, row_idx, block)
-    elif ch is not None:                 # whole kernel-sized chunks: one dim-0 copy of rows of ksize floats
-        dst.view(-1, ksize).index_copy_(0, _chunk_index(row_idx, ch, n_cols // ksize), block.reshape(-1, ksize))
+    elif chunks is not None:             # whole kernel-sized chunks: one dim-0 copy of rows of ksize floats
+        dst.view(-1, ksize).index_copy_(0, chunks, block.reshape(-1, ksize))
     elif r == n_rows:
         # scatter_ with a broadcast (stride-0) index: about 2.5x faster than index_copy_ along dim 1 on CPU.
         g.scatter_(1, col_idx[None, :].expand(r, c), block)

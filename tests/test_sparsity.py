@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from prunex_hvd.sparsity import (StructureSpec, apply_masks, density, gemm_view, keep_count, masks_to_indices,
+from prunex_hvd.sparsity import (StructureSpec, apply_masks, chunk_index, density, gemm_view, keep_count, masks_to_indices,
                                  parse_spec, project, recover, resolve_specs, shrink, structured_masks)
 
 SHAPE = (4, 3, 2, 2)   # 4 filters, 3 channels, 12 GEMM columns: every subset enumerable
@@ -444,3 +444,17 @@ def test_shrink_non_contiguous_inputs():
             assert torch.equal(shrink(w, r, c, out=torch.empty(len(r) * len(c))).flatten(),
                                gemm_view(ref)[r][:, c].flatten())
             assert torch.equal(project(w, spec), project(ref, spec))
+
+
+@pytest.mark.parametrize("spec", ["channel:0.5", "filter:0.5+channel:0.3", "shape:0.5", "filter:0.5"])
+def test_cached_chunk_index_gives_the_same_blocks(spec):
+    w = torch.randn(12, 6, 3, 3)
+    r, c = masks_to_indices(*structured_masks(w, spec))
+    chunks = chunk_index(r, c, w.shape)
+    assert (chunks is not None) == spec.startswith(("channel", "filter:0.5+channel"))
+    block = shrink(w, r, c, chunks=chunks)
+    assert torch.equal(block, shrink(w, r, c))
+    out = torch.full((block.numel(),), float("nan"))
+    assert torch.equal(shrink(w, r, c, out=out, chunks=chunks), block)
+    full = torch.full_like(w, float("nan"))
+    assert torch.equal(recover(block, r, c, w.shape, out=full, chunks=chunks), recover(block, r, c, w.shape))
