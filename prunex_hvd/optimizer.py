@@ -45,7 +45,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import dependencies, runtime, sparsity
+from . import agreement, dependencies, runtime
+from .sparsity import resolve_specs   # the factory's `sparsity` argument shadows the module name
 from .comm import groups as comm_groups
 from .comm.base import Groups, SingleCommunicator
 from .hsadmm import HSADMM
@@ -54,13 +55,10 @@ from .hsadmm import HSADMM
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the user's optimizer class (as Horovod does), so schedulers and isinstance checks work."""
 
-    def __init__(self, params, model, sparsity_spec, local_steps, rho1, rho2, rho_max, adaptive_rho,
-                 weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain, hierarchical,
-                 coupled):
+    def __init__(self, params, model, specs, couplings, local_steps, rho1, rho2, rho_max, adaptive_rho,
+                 weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain, hierarchical):
         super(self.__class__, self).__init__(params)
-        specs = sparsity.resolve_specs(model.named_parameters(), sparsity_spec)
-        couplings = _couplings(model, specs) if coupled else {}
-        topo = runtime.topology() if runtime.is_initialized() else runtime.init(backend=backend)
+        topo = runtime.topology()
         self._local_steps = local_steps
         self._step_count_local = 0
         groups = comm_groups(backend)
@@ -138,24 +136,39 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     """Wrap ``optimizer`` (over ``model``'s parameters) to train with H-SADMM; see the module docstring for
     the knobs. Collective: every rank constructs it, and rank 0's parameters and float buffers are broadcast
     to all. Returns an instance of the optimizer's own class with ``consensus()``, ``finalize()``,
-    ``stats()`` and engine-aware ``state_dict()``/``load_state_dict()``."""
-    check_wrapping(optimizer, model, bucket_mb)
-    if not isinstance(local_steps, int) or local_steps < 1:
-        raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
-    for name, value in (("rho1", rho1), ("rho2", rho2), ("rho_max", rho_max)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    if not isinstance(coupled, bool):
-        raise ValueError(f"coupled must be True or False, got {coupled!r}")
-    if weight_decay_z < 0:
-        raise ValueError(f"weight_decay_z must be >= 0, got {weight_decay_z!r}")
-    if freeze_round is not None and (not isinstance(freeze_round, int) or freeze_round < 1):
-        raise ValueError(f"freeze_round must be None or an integer >= 1, got {freeze_round!r}")
-    if not isinstance(freeze_patience, int) or freeze_patience < 1:
-        raise ValueError(f"freeze_patience must be an integer >= 1, got {freeze_patience!r}")
-    return mix_into(optimizer, _DistributedOptimizer, model, sparsity, local_steps, rho1, rho2, rho_max, adaptive_rho,
-                    weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain, hierarchical,
-                    coupled)
+    ``stats()`` and engine-aware ``state_dict()``/``load_state_dict()``.
+
+    Bad input raises ``ValueError`` on every rank, naming the ranks where it was found; so do ranks that
+    disagree on the model (parameter names, shapes, dtypes), the sparsity spec or any setting here."""
+    if not runtime.is_initialized():
+        runtime.init(backend=backend)
+    control = runtime.state()[1]
+    with agreement.agreed(control):   # a check that fails on some ranks fails on all, before any collective
+        check_wrapping(optimizer, model, bucket_mb)
+        if not isinstance(local_steps, int) or local_steps < 1:
+            raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+        for name, value in (("rho1", rho1), ("rho2", rho2), ("rho_max", rho_max)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not isinstance(coupled, bool):
+            raise ValueError(f"coupled must be True or False, got {coupled!r}")
+        if weight_decay_z < 0:
+            raise ValueError(f"weight_decay_z must be >= 0, got {weight_decay_z!r}")
+        if freeze_round is not None and (not isinstance(freeze_round, int) or freeze_round < 1):
+            raise ValueError(f"freeze_round must be None or an integer >= 1, got {freeze_round!r}")
+        if not isinstance(freeze_patience, int) or freeze_patience < 1:
+            raise ValueError(f"freeze_patience must be an integer >= 1, got {freeze_patience!r}")
+        specs = resolve_specs(model.named_parameters(), sparsity)
+        couplings = _couplings(model, specs) if coupled else {}
+    agreement.check_same_on_every_rank(control, {
+        "model": agreement.model_signature(model), "sparsity": {n: str(s) for n, s in specs.items()},
+        "coupled": couplings, "local_steps": local_steps,
+        "rho": (rho1, rho2, rho_max, adaptive_rho, weight_decay_z),
+        "freezing": (freeze_round, freeze_patience, masked_retrain), "bucket_mb": bucket_mb,
+        "hierarchical": hierarchical}, "prunex_hvd.DistributedOptimizer")
+    return mix_into(optimizer, _DistributedOptimizer, model, specs, couplings, local_steps, rho1, rho2, rho_max,
+                    adaptive_rho, weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain,
+                    hierarchical)
 
 
 def _couplings(model, specs) -> Dict[str, str]:

@@ -74,3 +74,19 @@ def test_nccl_without_cuda(tmp_path):
     proc = run(mpirun(4, worker(tmp_path, "--init-backend", "nccl"), ["PRUNEX_RANKS_PER_NODE=2"]),
                timeout=120)
     assert_every_rank_says(proc, tmp_path, r"nccl backend needs CUDA.*\[on all ranks\]")
+
+
+@needs_mpirun
+@pytest.mark.parametrize("case,pattern", [
+    ("model", r"ranks disagree on prunex_hvd.DistributedOptimizer: model differs from rank 0's on rank\(s\) 2 "
+              r"\(first difference: rank 0 has 0.weight \(8, 3, 3, 3\) torch.float32, rank 2 has 0.weight \(10, 3, 3, 3\)"),
+    ("spec", r"sparsity differs from rank 0's on rank\(s\) 2"),
+    ("keep", r"keep ratio must be in \(0, 1\] \[on rank\(s\) 2\]"),
+    ("rho", r"rho differs from rank 0's on rank\(s\) 2"),
+])
+def test_ranks_that_disagree_at_construction(tmp_path, case, pattern):
+    """Rank 2 wraps another model, spec, an invalid keep ratio or another rho: all four ranks refuse, none
+    goes on into the broadcast alone."""
+    proc = run(mpirun(4, python_cmd("agree_worker.py", "--case", case, "--out", str(tmp_path)),
+                      ["PRUNEX_RANKS_PER_NODE=2"]), timeout=120)
+    assert_every_rank_says(proc, tmp_path, pattern)

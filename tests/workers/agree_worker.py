@@ -1,0 +1,42 @@
+"""Ranks that disagree about what they wrap: every rank must raise the same clear error, none may hang.
+
+    mpirun -np 4 python agree_worker.py --case model|spec|keep|rho --out DIR
+
+Rank 2 differs from the others in the way ``--case`` names. Writes OUT/error.rank{R}.txt ("[rank R] prunex_hvd
+error: ...") for the parent test, or OUT/rank{R}.json when construction (wrongly) succeeds."""
+import argparse
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+import worker_io
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", required=True, choices=("model", "spec", "keep", "rho"))
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    import prunex_hvd as px
+    topo = px.init()
+    odd = topo.rank == 2
+    width = 10 if a.case == "model" and odd else 8
+    model = nn.Sequential(nn.Conv2d(3, width, 3), nn.BatchNorm2d(width), nn.ReLU(), nn.Conv2d(width, 4, 3))
+    spec = {"spec": "filter:0.5", "keep": "channel:1.5"}.get(a.case, "channel:0.5") if odd else "channel:0.5"
+    rho1 = 0.02 if a.case == "rho" and odd else 0.01
+    try:
+        px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sparsity=spec, rho1=rho1)
+    except ValueError as exc:
+        with open(os.path.join(a.out, f"error.rank{topo.rank}.txt"), "w") as f:
+            f.write(f"[rank {topo.rank}] prunex_hvd error: {exc}")
+        print(f"[rank {topo.rank}] prunex_hvd error: {exc}", flush=True)
+        time.sleep(1)
+        sys.exit(3)
+    worker_io.report(a.out, topo.rank, {"constructed": True}, 0)
+
+
+if __name__ == "__main__":
+    worker_io.run(main, "agree")
