@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 from contextlib import contextmanager
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
+
+from . import runtime
 
 
 def model_signature(model: torch.nn.Module) -> List[Tuple[str, tuple, str]]:
@@ -60,3 +62,17 @@ def check_same_on_every_rank(control, fields: Dict[str, Any], what: str = "the w
     raise ValueError(f"ranks disagree on {what}: " + "; ".join(
         f"{key} differs from rank 0's on rank(s) {','.join(map(str, ranks))}{details.get(key, '')}"
         for key, ranks in problems) + ". Every rank must build the same model and pass the same settings")
+
+
+def checked_construction(what: str, backend, model: torch.nn.Module, checks: Callable[[], Tuple[Any, dict]]):
+    """The opening of every wrapper: initialise the runtime (collective) if needed, run ``checks()`` (this
+    rank's validation, returning ``(result, settings)``) under :func:`agreed`, then require the model's
+    signature and ``settings`` to be equal on every rank. Returns ``result``."""
+    if not runtime.is_initialized():
+        runtime.init(backend=backend or "auto")
+    control = runtime.state()[1]
+    result, settings = None, {}
+    with agreed(control):
+        result, settings = checks()
+    check_same_on_every_rank(control, {"model": model_signature(model), **settings}, what)
+    return result

@@ -140,10 +140,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
 
     Bad input raises ``ValueError`` on every rank, naming the ranks where it was found; so do ranks that
     disagree on the model (parameter names, shapes, dtypes), the sparsity spec or any setting here."""
-    if not runtime.is_initialized():
-        runtime.init(backend=backend)
-    control = runtime.state()[1]
-    with agreement.agreed(control):   # a check that fails on some ranks fails on all, before any collective
+    def checks():
         check_wrapping(optimizer, model, bucket_mb)
         if not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
@@ -160,12 +157,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
             raise ValueError(f"freeze_patience must be an integer >= 1, got {freeze_patience!r}")
         specs = resolve_specs(model.named_parameters(), sparsity)
         couplings = _couplings(model, specs) if coupled else {}
-    agreement.check_same_on_every_rank(control, {
-        "model": agreement.model_signature(model), "sparsity": {n: str(s) for n, s in specs.items()},
-        "coupled": couplings, "local_steps": local_steps,
-        "rho": (rho1, rho2, rho_max, adaptive_rho, weight_decay_z),
-        "freezing": (freeze_round, freeze_patience, masked_retrain), "bucket_mb": bucket_mb,
-        "hierarchical": hierarchical}, "prunex_hvd.DistributedOptimizer")
+        return (specs, couplings), {
+            "sparsity": {n: str(s) for n, s in specs.items()}, "coupled": couplings, "local_steps": local_steps,
+            "rho": (rho1, rho2, rho_max, adaptive_rho, weight_decay_z),
+            "freezing": (freeze_round, freeze_patience, masked_retrain), "bucket_mb": bucket_mb,
+            "hierarchical": hierarchical}
+    specs, couplings = agreement.checked_construction("prunex_hvd.DistributedOptimizer", backend, model, checks)
     return mix_into(optimizer, _DistributedOptimizer, model, specs, couplings, local_steps, rho1, rho2, rho_max,
                     adaptive_rho, weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain,
                     hierarchical)

@@ -90,3 +90,12 @@ def test_ranks_that_disagree_at_construction(tmp_path, case, pattern):
     proc = run(mpirun(4, python_cmd("agree_worker.py", "--case", case, "--out", str(tmp_path)),
                       ["PRUNEX_RANKS_PER_NODE=2"]), timeout=120)
     assert_every_rank_says(proc, tmp_path, pattern)
+
+
+@needs_mpirun
+@pytest.mark.parametrize("method,name", [("dense", "dense"), ("topk", "Top-K"), ("pactrain", "PacTrain")])
+def test_baselines_refuse_a_different_model_on_one_rank(tmp_path, method, name):
+    proc = run(mpirun(4, python_cmd("agree_worker.py", "--case", "model", "--method", method, "--out", str(tmp_path)),
+                      ["PRUNEX_RANKS_PER_NODE=2"]), timeout=120)
+    assert_every_rank_says(proc, tmp_path, rf"ranks disagree on the {name} optimizer: model differs from rank 0's "
+                                           r"on rank\(s\) 2")

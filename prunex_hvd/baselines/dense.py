@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .. import runtime
+from .. import agreement, runtime
 from ..comm import groups as comm_groups
 from ..comm.accounting import CommRecord, ring_cross_node_bytes, ring_sent_bytes
 from .common import MethodOptimizer, Traffic, broadcast_model, check_wrapping, flat_layout, mix_into
@@ -89,8 +89,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     """Dense data-parallel training of ``model`` with ``optimizer``: Horovod's DistributedOptimizer when
     launched under Horovod, else a bucketed allreduce over the world group. Collective; rank 0's model is
     broadcast first. Returns the wrapped optimizer with ``stats()`` and the harness interface."""
-    check_wrapping(optimizer, model, bucket_mb)
-    topo = runtime.topology() if runtime.is_initialized() else runtime.init(backend=backend or "auto")
+    agreement.checked_construction("the dense optimizer", backend, model,
+                                   lambda: (check_wrapping(optimizer, model, bucket_mb), {"bucket_mb": bucket_mb}))
+    topo = runtime.topology()
     world = comm_groups(backend).world
     broadcast_model(model, world)
     if topo.launcher == "horovod":

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import runtime
+from .. import agreement, runtime
 from ..sparsity import keep_count, resolve_specs
 from .common import MethodOptimizer, broadcast_model, check_wrapping, flat_layout, mix_into
 
@@ -374,35 +374,39 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     model is pruned in place (GraSP: ``grasp_batch = (x, y)``, this rank's batch; scores are summed over the
     world, one-time traffic tagged ``setup`` and not counted as the method's). Returns an instance of the
     optimizer's own class with ``stats()``, ``density()``, ``finalize()`` and a resumable ``state_dict()``."""
-    held = check_wrapping(optimizer, model, bucket_mb)
-    if score not in SCORES:
-        raise ValueError(f"score must be one of {', '.join(SCORES)}, got {score!r}")
-    if score == "grasp":
-        if grasp_batch is None:
-            raise ValueError("score='grasp' needs grasp_batch=(x, y): one training batch of this rank")
-        if not (isinstance(grasp_batch, (tuple, list)) and len(grasp_batch) == 2
-                and all(isinstance(t, Tensor) for t in grasp_batch)):
-            raise ValueError("grasp_batch must be a pair of tensors (x, y)")
-    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-        raise ValueError(f"patience must be an integer >= 1, got {patience!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    if not held:
-        raise ValueError("the optimizer holds no parameters")
-    if len({(p.dtype, p.device) for p in held}) > 1:
-        raise ValueError("PacTrain packs gradients into flat buffers: the optimizer's parameters must share one "
-                         f"dtype and device, got {sorted({(str(p.dtype), str(p.device)) for p in held})}")
-    specs = resolve_specs(model.named_parameters(), sparsity)
-    held_ids = {id(p) for p in held}
+    def checks():
+        held = check_wrapping(optimizer, model, bucket_mb)
+        if score not in SCORES:
+            raise ValueError(f"score must be one of {', '.join(SCORES)}, got {score!r}")
+        if score == "grasp":
+            if grasp_batch is None:
+                raise ValueError("score='grasp' needs grasp_batch=(x, y): one training batch of this rank")
+            if not (isinstance(grasp_batch, (tuple, list)) and len(grasp_batch) == 2
+                    and all(isinstance(t, Tensor) for t in grasp_batch)):
+                raise ValueError("grasp_batch must be a pair of tensors (x, y)")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"patience must be an integer >= 1, got {patience!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        if not held:
+            raise ValueError("the optimizer holds no parameters")
+        if len({(p.dtype, p.device) for p in held}) > 1:
+            raise ValueError("PacTrain packs gradients into flat buffers: the optimizer's parameters must share one "
+                             f"dtype and device, got {sorted({(str(p.dtype), str(p.device)) for p in held})}")
+        specs = resolve_specs(model.named_parameters(), sparsity)
+        held_ids = {id(p) for p in held}
+        named = dict(model.named_parameters())
+        outside = [n for n in specs if id(named[n]) not in held_ids]
+        if outside:
+            raise ValueError(f"sparsity prunes {outside[0]!r}, which the optimizer does not train")
+        keep = {name: _keep_fraction(spec) for name, spec in specs.items()}
+        return (held, specs, keep), {"sparsity": {n: str(v) for n, v in specs.items()}, "score": score,
+                                     "patience": patience, "seed": seed, "terngrad": terngrad,
+                                     "bucket_mb": bucket_mb}
+    held, specs, keep = agreement.checked_construction("the PacTrain optimizer", backend, model, checks)
     named = dict(model.named_parameters())
-    outside = [n for n in specs if id(named[n]) not in held_ids]
-    if outside:
-        raise ValueError(f"sparsity prunes {outside[0]!r}, which the optimizer does not train")
-    keep = {name: _keep_fraction(spec) for name, spec in specs.items()}
 
     from ..comm import groups as comm_groups
-    if not runtime.is_initialized():
-        runtime.init(backend=backend or "auto")
     world = comm_groups(backend).world
     if terngrad and world.size >= 128:
         raise ValueError(f"terngrad sums int8 values in [-1, 1] over the world: needs fewer than 128 ranks, "

@@ -57,7 +57,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import runtime
+from .. import agreement
 from ..comm import groups as comm_groups
 from .common import MethodOptimizer, broadcast_model, check_wrapping, flat_layout, mix_into
 
@@ -210,24 +210,25 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     ``prunex_hvd.init`` (which is called with ``"auto"`` if it has not been). Returns an instance of the
     optimizer's own class with ``stats()``, ``consensus_weights()``, ``finalize()`` and a ``state_dict()``
     that holds the residuals."""
-    params = check_wrapping(optimizer, model, bucket_mb)
-    if isinstance(ratio, bool) or not isinstance(ratio, Real) or not (math.isfinite(ratio) and 0 < ratio <= 1):
-        raise ValueError(f"ratio (the fraction of each layer's gradient sent per step) must be a number in "
-                         f"(0, 1], got {ratio!r}")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-    trained = [p for p in params if p.requires_grad]
-    if not trained:
-        raise ValueError("the optimizer holds no parameter that requires a gradient: nothing to synchronise")
-    kinds = {(p.dtype, p.device) for p in trained}
-    if len(kinds) > 1:
-        raise ValueError("Top-K packs every layer into one message: the parameters must share one dtype and "
-                         f"device, got {sorted(f'{d} on {v}' for d, v in kinds)}")
-    total = sum(p.numel() for p in trained)
-    if total > _INT32_LIMIT:
-        raise ValueError(f"Top-K sends int32 positions: {total} gradient entries are more than 2**31 - 1")
-    if not runtime.is_initialized():
-        runtime.init(backend=backend or "auto")
+    def checks():
+        params = check_wrapping(optimizer, model, bucket_mb)
+        if isinstance(ratio, bool) or not isinstance(ratio, Real) or not (math.isfinite(ratio) and 0 < ratio <= 1):
+            raise ValueError(f"ratio (the fraction of each layer's gradient sent per step) must be a number in "
+                             f"(0, 1], got {ratio!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        trained = [p for p in params if p.requires_grad]
+        if not trained:
+            raise ValueError("the optimizer holds no parameter that requires a gradient: nothing to synchronise")
+        kinds = {(p.dtype, p.device) for p in trained}
+        if len(kinds) > 1:
+            raise ValueError("Top-K packs every layer into one message: the parameters must share one dtype and "
+                             f"device, got {sorted(f'{d} on {v}' for d, v in kinds)}")
+        total = sum(p.numel() for p in trained)
+        if total > _INT32_LIMIT:
+            raise ValueError(f"Top-K sends int32 positions: {total} gradient entries are more than 2**31 - 1")
+        return None, {"ratio": ratio, "warmup_steps": warmup_steps, "bucket_mb": bucket_mb}
+    agreement.checked_construction("the Top-K optimizer", backend, model, checks)
     world = comm_groups(backend).world
     broadcast_model(model, world)
     return mix_into(optimizer, _TopK, model, world, ratio, warmup_steps, bucket_mb)

@@ -1,6 +1,6 @@
 """Ranks that disagree about what they wrap: every rank must raise the same clear error, none may hang.
 
-    mpirun -np 4 python agree_worker.py --case model|spec|keep|rho --out DIR
+    mpirun -np 4 python agree_worker.py --case model|spec|keep|rho [--method prunex|dense|topk|pactrain] --out DIR
 
 Rank 2 differs from the others in the way ``--case`` names. Writes OUT/error.rank{R}.txt ("[rank R] prunex_hvd
 error: ...") for the parent test, or OUT/rank{R}.json when construction (wrongly) succeeds."""
@@ -18,6 +18,7 @@ import worker_io
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", required=True, choices=("model", "spec", "keep", "rho"))
+    ap.add_argument("--method", default="prunex", choices=("prunex", "dense", "topk", "pactrain"))
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
@@ -28,7 +29,13 @@ def main():
     spec = {"spec": "filter:0.5", "keep": "channel:1.5"}.get(a.case, "channel:0.5") if odd else "channel:0.5"
     rho1 = 0.02 if a.case == "rho" and odd else 0.01
     try:
-        px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sparsity=spec, rho1=rho1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if a.method == "prunex":
+            px.DistributedOptimizer(opt, model, sparsity=spec, rho1=rho1)
+        else:
+            from prunex_hvd.baselines import dense, pactrain, topk
+            wrap = {"dense": dense, "topk": topk, "pactrain": pactrain}[a.method].DistributedOptimizer
+            wrap(opt, model, **({"sparsity": spec} if a.method == "pactrain" else {}))
     except ValueError as exc:
         with open(os.path.join(a.out, f"error.rank{topo.rank}.txt"), "w") as f:
             f.write(f"[rank {topo.rank}] prunex_hvd error: {exc}")
