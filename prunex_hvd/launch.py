@@ -69,6 +69,8 @@ class Control:
         if bad:
             first = bad[0][1]
             if all(e == first for _, e in bad):
+                if len(bad) == self.size and first.endswith("]") and " [on " in first:
+                    raise exc_type(first)   # already agreed one level down: it names its ranks
                 ranks = "all ranks" if len(bad) == self.size else "rank(s) " + ",".join(str(r) for r, _ in bad)
                 raise exc_type(f"{first} [on {ranks}]")
             raise exc_type("; ".join(f"rank {r}: {e}" for r, e in bad))
