@@ -12,6 +12,10 @@
 
     prunex-hvd report runs/A runs/B ... [--out DIR]
         plots (accuracy vs time and vs inter-node bytes, residuals, density, masks) and a markdown table.
+
+    prunex-hvd export runs/NAME [--out model_slim.pt]
+        the run's finalized model with its pruned channels physically removed: checked against the masked
+        model on the test set, parameters, FLOPs and CPU latency of both printed and written to JSON.
 """
 from __future__ import annotations
 
@@ -117,6 +121,33 @@ def _report(args) -> int:
 
     argv = list(args.runs) + (["--out", args.out] if args.out else []) + ["--mask-layers", str(args.mask_layers)]
     return report.main(argv)
+
+
+def _export(args) -> int:
+    from prunex_hvd import export
+
+    import torch
+
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    try:
+        sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch-sizes takes comma-separated integers >= 1, got {args.batch_sizes!r}")
+    if args.repeats < 1 or (args.samples is not None and args.samples < 1):
+        raise ValueError("--repeats and --samples must be >= 1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or threads)
+    try:
+        report = export.export_run(args.run, out=args.out, json_out=args.json, data_dir=args.data_dir,
+                                   samples=args.samples, batch_sizes=sizes, repeats=args.repeats,
+                                   measure=not args.no_latency)
+    finally:
+        torch.set_num_threads(threads)
+    print(export.format_report(report))
+    return 0
 
 
 def _freeze_round(text: str):
@@ -226,6 +257,20 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None, help="default: <parent of the first run>/report")
     rep.add_argument("--mask-layers", type=int, default=4)
     rep.set_defaults(func=_report)
+    exp = sub.add_parser("export", help="remove the pruned channels of a run's final model for real: a smaller dense "
+                                        "model, checked, counted and timed against the masked one")
+    exp.add_argument("run", help="run folder of a finished `prunex-hvd train` (holds final_model.pt)")
+    exp.add_argument("--out", default=None,
+                     help="slim model file: .pt = plain torch.nn module (torch.load(p, weights_only=False)), "
+                          ".pt2 = torch.export archive (torch.export.load(p).module()); default RUN/model_slim.pt")
+    exp.add_argument("--json", default=None, help="report file (default: --out with .json)")
+    exp.add_argument("--data-dir", default=None, help="where the run's dataset lives, if not where training read it")
+    exp.add_argument("--samples", type=int, default=None, help="test images for the equivalence check (default: all)")
+    exp.add_argument("--batch-sizes", default="1,64", help="batch sizes timed on CPU")
+    exp.add_argument("--repeats", type=int, default=20, help="timed repetitions per model and batch size (median)")
+    exp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    exp.add_argument("--no-latency", action="store_true", help="skip the timing")
+    exp.set_defaults(func=_export)
     return ap
 
 

@@ -36,8 +36,8 @@ if ! "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.__version__.sp
     pip install -q "$TORCH_SPEC"
 fi
 
-# 4. The package itself (editable) with its test extras.
-if ! have prunex_hvd || ! have pytest || ! have mpi4py; then
+# 4. The package itself (editable) with its test extras; torch_pruning too, so an older venv picks it up.
+if ! have prunex_hvd || ! have pytest || ! have mpi4py || ! have torch_pruning; then
     say "installing prunex_hvd[dev]"
     pip install -q setuptools wheel
     pip install -q --no-build-isolation -e "$here[dev]"

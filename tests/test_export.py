@@ -1,0 +1,270 @@
+"""`prunex-hvd export` / prunex_hvd.export: the slim model computes what the masked one does, on real data
+(the digits test set), with the channels the masks allow physically gone; save/load; clear errors."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from prunex_hvd import cli, export, models, sparsity
+from prunex_hvd.data import ShardedLoader, load_dataset
+from prunex_hvd.dependencies import channel_couplings
+from prunex_hvd.models.resnet import Bottleneck, ResNet
+
+
+@pytest.fixture(scope="module")
+def digits():
+    data = load_dataset("digits", image_size=16)
+    return list(ShardedLoader(data, 120, 0, 1, train=False).batches())
+
+
+def trained_like(model, seed=0):
+    """BatchNorm as training leaves it (scales, shifts of both signs, running statistics), so a dead filter's
+    channel carries a constant and removing it carelessly would show."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                n = m.num_features
+                m.running_mean.copy_(0.2 * torch.randn(n, generator=g))
+                m.running_var.copy_(0.5 + torch.rand(n, generator=g))
+                m.weight.copy_(0.5 + torch.rand(n, generator=g))
+                m.bias.copy_(0.3 * torch.randn(n, generator=g))
+    return model
+
+
+def pruned(model, spec, coupled=False, only=None):
+    """The model with its conv weights projected as the engine's finalize() leaves them."""
+    ws = {n: p for n, p in model.named_parameters() if p.dim() == 4 and (only is None or only(n))}
+    specs = {n: sparsity.parse_spec(spec) for n in ws}
+    new = sparsity.coupled_project(ws, specs, channel_couplings(model) if coupled else {})
+    with torch.no_grad():
+        for n, w in new.items():
+            ws[n].copy_(w)
+    return model.eval()
+
+
+def build(name, seed=0):
+    torch.manual_seed(seed)
+    return trained_like(models.build(name, num_classes=10, in_channels=1), seed)
+
+
+def read_channels(weights):
+    """Input channels that at least one of these conv weights reads (non-zero column block)."""
+    live = torch.zeros(weights[0].shape[1], dtype=torch.bool)
+    for w in weights:
+        live |= (w != 0).any(dim=(0, 2, 3))
+    return int(live.sum())
+
+
+def assert_same_function(masked, small, digits):
+    same = export.compare(masked, small, digits)
+    assert same["samples"] == 360 and same["same_prediction"] == 1.0
+    assert same["max_abs_diff"] <= 1e-5 * max(1.0, same["max_abs_output"]), same
+
+
+def test_resnet_small_channel_pruning_removes_what_no_layer_reads(digits):
+    masked = pruned(build("resnet_small"), "channel:0.5")
+    w = {n: p.detach().clone() for n, p in masked.named_parameters()}
+    small, report = export.slim(masked, digits[0][0][:2], calibration=digits[0][0][:32])
+    assert_same_function(masked, small, digits)
+    # the widths follow from the masked weights alone: a feature map keeps the channels some reader reads
+    for stage, width in (("layer1", 16), ("layer2", 32), ("layer3", 64)):
+        inner = read_channels([w[f"{stage}.0.conv2.weight"]])
+        assert inner == width // 2
+        assert small.get_submodule(f"{stage}.0.conv1").out_channels == inner
+        assert small.get_submodule(f"{stage}.0.bn1").num_features == inner
+        assert small.get_submodule(f"{stage}.0.conv2").in_channels == inner
+    stream1 = read_channels([w["layer1.0.conv1.weight"], w["layer2.0.conv1.weight"], w["layer2.0.downsample.0.weight"]])
+    assert small.conv1.out_channels == small.layer1[0].conv2.out_channels == stream1
+    assert small.layer2[0].conv1.in_channels == small.layer2[0].downsample[0].in_channels == stream1
+    stream2 = read_channels([w["layer3.0.conv1.weight"], w["layer3.0.downsample.0.weight"]])
+    assert small.layer2[0].conv2.out_channels == small.layer3[0].conv1.in_channels == stream2
+    assert small.fc.in_features == 64    # the classifier is dense: the last stream keeps every channel
+    assert report["removed"] == report["unread"] == 8 + 16 + 32 + (16 - stream1) + (32 - stream2)
+    assert export.count_params(small)["params"] < 0.55 * export.count_params(masked)["params"]
+    assert all(torch.equal(p, w[n]) for n, p in masked.named_parameters())   # the input model is untouched
+
+
+@pytest.mark.parametrize("coupled", [False, True], ids=["per-layer", "coupled"])
+def test_resnet18_channel_pruning(digits, coupled):
+    masked = pruned(build("resnet18", seed=1), "channel:0.5", coupled=coupled)
+    small, report = export.slim(masked, digits[0][0][:2], calibration=digits[0][0][:32])
+    assert_same_function(masked, small, digits)
+    blocks = [f"layer{s}.{b}" for s in range(1, 5) for b in range(2)]
+    for block in blocks:
+        conv1, conv2 = masked.get_submodule(f"{block}.conv1"), masked.get_submodule(f"{block}.conv2")
+        kept = read_channels([conv2.weight])
+        assert kept == sparsity.keep_count(0.5, conv2.in_channels)
+        assert small.get_submodule(f"{block}.conv1").out_channels == kept
+        assert small.get_submodule(f"{block}.conv2").in_channels == kept
+        # what remains of the block's inner feature map is read and (coupled) written by live filters
+        assert bool((small.get_submodule(f"{block}.conv2").weight != 0).any(dim=(0, 2, 3)).all())
+        if coupled:
+            assert bool((small.get_submodule(f"{block}.conv1").weight != 0).flatten(1).any(1).all())
+    assert report["removed"] >= sum(masked.get_submodule(f"{b}.conv1").out_channels // 2 for b in blocks)
+    params = export.count_params(small)["params"]
+    assert params < 0.5 * export.count_params(masked)["params"]
+
+
+def test_dead_filters_fold_into_the_next_bias_or_stay(digits):
+    """filter pruning on a bottleneck's 3x3 conv: each dead filter leaves relu(BN shift), a constant, for the
+    1x1 conv3. Positive constants fold into conv3's bias, zero ones just go; without the fold the outputs
+    would change."""
+    torch.manual_seed(2)
+    net = trained_like(ResNet(Bottleneck, (1, 1, 1), (8, 16, 32), (1, 2, 2), stem_channels=16, in_channels=1), 2)
+    masked = pruned(net, "filter:0.5", only=lambda n: n.endswith("conv2.weight"))
+    small, report = export.slim(masked, digits[0][0][:2], calibration=digits[0][0][:32])
+    assert_same_function(masked, small, digits)
+    assert report["folded"] > 0 and report["zero_constant"] > 0 and report["unread"] == 0
+    assert report["removed"] == report["folded"] + report["zero_constant"] == sum(
+        masked.get_submodule(f"layer{s}.0.conv2").out_channels // 2 for s in (1, 2, 3))
+    folded = [m for n, m in small.named_modules() if isinstance(m, nn.Conv2d) and m.bias is not None]
+    assert {n for n, m in small.named_modules() if m in folded} <= {f"layer{s}.0.conv3" for s in (1, 2, 3)}
+    with torch.no_grad():
+        for m in folded:
+            m.bias.zero_()
+    assert export.compare(masked, small, digits[:1])["max_abs_diff"] > 1e-3
+
+
+def test_constant_channels_read_by_a_padded_conv_are_kept(digits):
+    """filter pruning on a BasicBlock's conv1: the constant reaches conv2, a padded 3x3 that sees zeros at the
+    border instead: folding would be wrong there, so positive constants stay and only zero ones go."""
+    masked = pruned(build("resnet_small", seed=3), "filter:0.5", only=lambda n: n.endswith("0.conv1.weight"))
+    small, report = export.slim(masked, digits[0][0][:2], calibration=digits[0][0][:32])
+    assert_same_function(masked, small, digits)
+    assert report["kept_constant"] > 0 and report["zero_constant"] > 0 and report["folded"] == 0
+    assert report["kept_constant"] + report["zero_constant"] == 8 + 16 + 32
+
+
+def test_save_and_load(tmp_path, digits):
+    masked = pruned(build("resnet_small", seed=4), "channel:0.5")
+    x = digits[0][0][:32]
+    small, _ = export.slim(masked, x[:2], calibration=x)
+    with torch.inference_mode():
+        want = small(x)
+    how = export.save(small, str(tmp_path / "slim.pt"), x)
+    assert "weights_only=False" in how
+    torch.save({"x": x, "y": want}, tmp_path / "io.pt")
+    # a user without this package: prunex_hvd cannot be imported in that process
+    code = ("import sys; sys.modules['prunex_hvd'] = None\n"
+            "import torch\n"
+            f"m = torch.load({str(tmp_path / 'slim.pt')!r}, weights_only=False)\n"
+            f"io = torch.load({str(tmp_path / 'io.pt')!r})\n"
+            "assert isinstance(m, torch.nn.Module)\n"
+            "m.train(); m.eval()\n"
+            "with torch.inference_mode():\n"
+            "    d = (m(io['x']) - io['y']).abs().max().item()\n"
+            "assert d <= 1e-6, d\n"
+            "print('params', sum(p.numel() for p in m.parameters()))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == str(export.count_params(small)["params"])
+
+    export.save(small, str(tmp_path / "slim.pt2"), x)
+    ep = torch.export.load(str(tmp_path / "slim.pt2")).module()
+    with torch.inference_mode():
+        assert (ep(x) - want).abs().max() <= 1e-6
+        assert (ep(x[:1]) - want[:1]).abs().max() <= 1e-6   # the batch size is not baked in
+    with pytest.raises(ValueError, match=r"\.pt .*\.pt2"):
+        export.save(small, str(tmp_path / "slim.onnx"), x)
+
+
+@pytest.mark.parametrize("how", ["dense", "unstructured"])
+def test_a_model_without_structured_sparsity_is_refused(how, digits):
+    model = build("resnet_small").eval()
+    if how == "unstructured":   # half the weights zero, but never a whole filter or channel
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 4:   # checkerboard over (out, in, kh, kw)
+                    o, i, h, w = torch.meshgrid(*[torch.arange(n) for n in p.shape], indexing="ij")
+                    p.mul_((o + i + h + w) % 2)
+        assert export.count_params(model)["params_nonzero"] < 0.6 * export.count_params(model)["params"]
+    with pytest.raises(ValueError, match="not trained with structured sparsity"):
+        export.slim(model, digits[0][0][:2])
+
+
+def flops_by_hand(model, x):
+    """2 x multiply-adds of every conv and linear, from the shapes seen in a forward pass."""
+    total = []
+
+    def hook(m, inp, out):
+        if isinstance(m, nn.Conv2d):
+            k = m.in_channels // m.groups * m.kernel_size[0] * m.kernel_size[1]
+            total.append(2 * out.numel() * k)
+        else:
+            total.append(2 * out.numel() * m.in_features)
+    hooks = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    with torch.inference_mode():
+        model(x)
+    for h in hooks:
+        h.remove()
+    return sum(total)
+
+
+@pytest.mark.usefixtures("single_process")
+def test_export_a_real_run_from_the_command_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    rc = cli.main(["train", "--model", "resnet_small", "--dataset", "digits", "--epochs", "2", "--local-epochs", "0.5",
+                   "--threads", "1", "--no-progress", "--out", str(run)])
+    assert rc == 0, capsys.readouterr()
+    capsys.readouterr()
+    out = tmp_path / "export" / "slim.pt"
+    rc = cli.main(["export", str(run), "--out", str(out), "--repeats", "3", "--batch-sizes", "1,8", "--threads", "1"])
+    text = capsys.readouterr()
+    assert rc == 0, text.err
+    assert "slim/masked" in text.out and "latency b=8 (ms)" in text.out and "same prediction 100.0%" in text.out
+    report = json.loads((tmp_path / "export" / "slim.json").read_text())
+    assert report["method"] == "prunex" and report["sparsity"] == "channel:0.5"
+    eq = report["equivalence"]
+    assert eq["samples"] == 360 and eq["max_abs_diff"] <= eq["tolerance"] and eq["same_prediction"] == 1.0
+
+    masked, _ = export.load_run_model(str(run))
+    small = export.load(str(out))
+    x = torch.zeros(1, 1, 16, 16)
+    for key, model in (("masked", masked), ("slim", small)):
+        assert report[key]["params"] == sum(p.numel() for p in model.parameters())
+        assert report[key]["flops"] == flops_by_hand(model, x)
+    assert report["slim"]["params"] < 0.55 * report["masked"]["params"]
+    assert report["ratio"]["flops"] == report["slim"]["flops"] / report["masked"]["flops"] < 0.55
+    for bs in ("1", "8"):
+        row = report["latency"]["batch"][bs]
+        assert row["masked"]["ratio"] == 1.0 and row["slim"]["median_ms"] > 0
+        assert row["slim"]["ratio"] == row["slim"]["median_ms"] / row["masked"]["median_ms"]
+    assert report["latency"]["repeats"] == 3 and report["latency"]["threads"] == 1
+
+    # the same run with a dense model in it: refused, nothing written
+    blob = torch.load(run / "final_model.pt")
+    blob["state_dict"] = models.build("resnet_small", num_classes=10, in_channels=1).state_dict()
+    dense = tmp_path / "dense_run"
+    dense.mkdir()
+    torch.save(blob, dense / "final_model.pt")
+    (dense / "summary.json").write_text(json.dumps({"method": "dense"}))
+    rc = cli.main(["export", str(dense), "--no-latency"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "not trained with structured sparsity" in err and "method dense" in err
+    assert not (dense / "model_slim.pt").exists()
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing", "not a run folder"),
+    ("unfinished", "has no final_model.pt"),
+    ("foreign", "not a prunex-hvd final model"),
+    ("suffix", r"must end in \.pt"),
+])
+def test_bad_run_folders_are_clear_errors(tmp_path, capsys, case, message):
+    run = tmp_path / "run"
+    args = ["export", str(run)]
+    if case != "missing":
+        run.mkdir()
+        (run / "metrics.jsonl").write_text('{"event": "round"}\n')
+    if case == "foreign":
+        torch.save({"weights": torch.zeros(2)}, run / "final_model.pt")
+    if case == "suffix":
+        args += ["--out", str(tmp_path / "slim.onnx")]
+    rc = cli.main(args)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("prunex-hvd: error: ") and re.search(message, err), err
