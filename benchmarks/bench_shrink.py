@@ -3,13 +3,16 @@
     python benchmarks/bench_shrink.py [--reps 30] [--device cpu|cuda]
 
 For each conv shape and structure, ``shrink`` (gather the kept block of z_i + v_i into a communication
-bucket) and ``recover`` (zero-fill the full tensor and scatter the block back) are timed against a copy of
-the same-size tensor, the conv weight itself: what a dense exchange pays to pack it into a bucket and to
-unpack it. Throughput ratio = copy time / our time (1.0: as fast as a copy; bytes/s of the tensor handled).
-``shrink_vs_copy_compact`` is the stricter figure against copying only the compact block's bytes. The chunk
-index of channel-structured blocks is computed once (``sparsity.chunk_index``), as the engine caches it while
-masks hold. Timings are medians over interleaved repetitions. Target ≥ 0.5 for shrink and recover against
-the tensor copy. CPU always; CUDA when a GPU is present (synchronised timings).
+bucket) and ``recover`` (rebuild the full tensor from the bucket) are timed against a copy of the same-size
+tensor, the conv weight itself: what a dense exchange pays to pack it into a bucket and to unpack it.
+Throughput ratio = copy time / our time (1.0: as fast as a copy; bytes/s of the tensor handled).
+``shrink_vs_copy_compact`` is the stricter figure against copying only the compact block's bytes.
+
+Both run as the engine runs them: each layer's ``sparsity.gather_plan`` is computed once (the engine caches
+it while masks hold), shrink is then one gather, and recover one gather from the bucket slice whose pruned
+chunks read the bucket's unsent zero tail. Layers without a plan (single columns on CPU) zero-fill and
+scatter. Timings are medians over interleaved repetitions. Target ≥ 0.5 for shrink and recover against the
+tensor copy. CPU always; CUDA when a GPU is present (synchronised timings).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import time
 import torch
 
 from prunex_hvd import sparsity
+from prunex_hvd.buckets import BucketLayout
 
 SHAPES = [(64, 64, 3, 3), (256, 128, 3, 3), (512, 256, 3, 3), (512, 512, 3, 3), (2048, 512, 1, 1)]
 SPECS = ["channel:0.5", "filter:0.5", "filter:0.5+channel:0.5", "shape:0.5", "channel:0.3"]
@@ -45,28 +49,52 @@ def interleaved_medians(ops, reps, sync):
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def packing(idx, plans, device):
+    """The engine's compact bucket for these layers (with the zero tail its gathers need) and, per layer, what
+    recover gathers from: (bucket rows, index), or None where it zero-fills and scatters."""
+    tail = 2 * max((p.chunk for p in plans if p is not None), default=0)
+    layout = BucketLayout([len(r) * len(c) for r, c in idx], torch.float32, device, 1 << 62, zero_tail=tail)
+    gathers = []
+    for k, plan in enumerate(plans):
+        if plan is None:
+            gathers.append(None)
+            continue
+        rows, zero_row = layout.chunk_rows(k, plan.chunk)
+        gathers.append((rows, plan.slot.masked_fill(plan.slot < 0, zero_row)))
+    return layout, gathers
+
+
+def recover_like_the_engine(w, r, c, view, gather, out=None):
+    if gather is not None:
+        return sparsity.recover_gather(*gather, w.shape, out=out)
+    return sparsity.recover(view, r, c, w.shape, out=out)
+
+
 def measure(shape, spec, device, reps):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     w = torch.randn(shape, device=device)
     rows, cols = sparsity.structured_masks(w, spec)
     r_idx, c_idx = sparsity.masks_to_indices(rows, cols)
-    chunks = sparsity.chunk_index(r_idx, c_idx, w.shape)   # cached, as the engine does while masks hold
+    plan = sparsity.gather_plan(r_idx, c_idx, w.shape)   # cached, as the engine does while masks hold
     n = len(r_idx) * len(c_idx)
-    bucket = torch.empty(n, device=device)
-    full = torch.empty_like(w)
+    layout, (gather,) = packing([(r_idx, c_idx)], [plan], device)
+    bucket = layout.views[0]
     src_small, src_full = torch.randn(n, device=device), torch.randn_like(w)
     dst_small = torch.empty(n, device=device)
+    full = torch.empty_like(w)
 
     ops = {
-        "shrink": lambda: sparsity.shrink(w, r_idx, c_idx, out=bucket, chunks=chunks),
+        "shrink": lambda: sparsity.shrink(w, r_idx, c_idx, out=bucket, plan=plan),
         "copy_compact": lambda: dst_small.copy_(src_small),
-        "recover": lambda: sparsity.recover(bucket, r_idx, c_idx, w.shape, out=full, chunks=chunks),
+        "recover": lambda: recover_like_the_engine(w, r_idx, c_idx, bucket, gather, out=full),
         "copy_full": lambda: full.copy_(src_full),
     }
     med = interleaved_medians(ops, reps, sync)
-    assert torch.equal(sparsity.recover(sparsity.shrink(w, r_idx, c_idx), r_idx, c_idx, w.shape),
+    sparsity.shrink(w, r_idx, c_idx, out=bucket, plan=plan)
+    assert torch.equal(recover_like_the_engine(w, r_idx, c_idx, bucket, gather),
                        sparsity.apply_masks(w, rows, cols))
     return {"shape": list(shape), "spec": spec, "compact_fraction": n / w.numel(),
+            "recover_by": "gather" if gather is not None else "scatter",
             "shrink_vs_copy": med["copy_full"] / med["shrink"],
             "shrink_vs_copy_compact": med["copy_compact"] / med["shrink"],
             "recover_vs_copy": med["copy_full"] / med["recover"],
@@ -80,19 +108,19 @@ def measure_model(name, spec, device, reps):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ws = [p.detach().to(device) for p in build(name, 10, 3).parameters() if p.dim() == 4]
     idx = [sparsity.masks_to_indices(*sparsity.structured_masks(w, spec)) for w in ws]
-    chunks = [sparsity.chunk_index(r, c, w.shape) for w, (r, c) in zip(ws, idx)]
-    sizes = [len(r) * len(c) for r, c in idx]
-    bucket, dense = torch.empty(sum(sizes), device=device), torch.empty(sum(w.numel() for w in ws), device=device)
-    views, dviews = bucket.split(sizes), dense.split([w.numel() for w in ws])
+    plans = [sparsity.gather_plan(r, c, w.shape) for w, (r, c) in zip(ws, idx)]
+    layout, gathers = packing(idx, plans, device)
+    dense = torch.empty(sum(w.numel() for w in ws), device=device)
+    views, dviews = layout.views, dense.split([w.numel() for w in ws])
     fulls = [torch.empty_like(w) for w in ws]
 
     def pack():
-        for w, (r, c), v, ch in zip(ws, idx, views, chunks):
-            sparsity.shrink(w, r, c, out=v, chunks=ch)
+        for w, (r, c), v, plan in zip(ws, idx, views, plans):
+            sparsity.shrink(w, r, c, out=v, plan=plan)
 
     def unpack():
-        for w, (r, c), v, f, ch in zip(ws, idx, views, fulls, chunks):
-            sparsity.recover(v, r, c, w.shape, out=f, chunks=ch)
+        for w, (r, c), v, gth, f in zip(ws, idx, views, gathers, fulls):
+            recover_like_the_engine(w, r, c, v, gth, out=f)
 
     def dense_pack():
         for w, v in zip(ws, dviews):
@@ -103,7 +131,7 @@ def measure_model(name, spec, device, reps):
             f.copy_(v.view_as(f))
     ops = {"shrink": pack, "copy_pack": dense_pack, "recover": unpack, "copy_unpack": dense_unpack}
     med = interleaved_medians(ops, reps, sync)
-    return {"model": name, "spec": spec, "conv_MB": 4 * dense.numel() / 1e6, "compact_MB": 4 * bucket.numel() / 1e6,
+    return {"model": name, "spec": spec, "conv_MB": 4 * dense.numel() / 1e6, "compact_MB": 4 * layout.total_numel / 1e6,
             "shrink_vs_copy": med["copy_pack"] / med["shrink"], "recover_vs_copy": med["copy_unpack"] / med["recover"]}
 
 

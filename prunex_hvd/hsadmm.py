@@ -44,13 +44,13 @@ class Entry:
     cols: Optional[torch.Tensor] = None
     row_idx: Optional[torch.Tensor] = None
     col_idx: Optional[torch.Tensor] = None
-    chunks: Optional[torch.Tensor] = None    # sparsity.chunk_index of the index sets, kept while they hold
+    chunks: Optional[sparsity.GatherPlan] = None   # shrink and recover as one gather each, while masks hold
     residuals: Dict[str, float] = field(default_factory=dict)
 
     def set_masks(self, rows: torch.Tensor, cols: torch.Tensor) -> None:
         self.rows, self.cols = rows, cols
         self.row_idx, self.col_idx = sparsity.masks_to_indices(rows, cols)
-        self.chunks = sparsity.chunk_index(self.row_idx, self.col_idx, self.param.shape)
+        self.chunks = sparsity.gather_plan(self.row_idx, self.col_idx, self.param.shape)
 
     @property
     def structured(self) -> bool:
@@ -107,6 +107,8 @@ class HSADMM:
         self.bytes = {"inter": 0, "intra": 0, "inter_consensus": 0, "dense_inter": 0}
         self._dense = self._layout([e.param.numel() for e in self.entries])
         self._compact: Optional[BucketLayout] = None
+        self._gathers: Dict[int, tuple] = {}   # entry -> (its bucket rows with a zero row, gather index)
+        self._gathers_of: Optional[BucketLayout] = None   # the layout they index
         self._support: Optional[List[torch.Tensor]] = None   # dense masks of the retraining phase
         self._refresh_prox()
 
@@ -200,7 +202,7 @@ class HSADMM:
             for k, e in enumerate(self.entries):
                 c = z_i_new[k] + e.v
                 if e.structured:
-                    sparsity.shrink(c, e.row_idx, e.col_idx, out=layout.views[k], chunks=e.chunks)
+                    sparsity.shrink(c, e.row_idx, e.col_idx, out=layout.views[k], plan=e.chunks)
                 else:
                     layout.views[k].copy_(c.reshape(-1))
             for j in range(len(self.buffers)):
@@ -215,8 +217,10 @@ class HSADMM:
         local_sq = torch.zeros(n, 3, dtype=torch.float64)
         s_inter_sq = []
         for k, e in enumerate(self.entries):
-            if e.structured:
-                z_new = sparsity.recover(layout.views[k], e.row_idx, e.col_idx, e.z.shape, chunks=e.chunks)
+            if k in self._gathers:   # one gather of whole chunks from the bucket (see _compact_layout)
+                z_new = sparsity.recover_gather(*self._gathers[k], e.z.shape)
+            elif e.structured:
+                z_new = sparsity.recover(layout.views[k], e.row_idx, e.col_idx, e.z.shape)
             else:
                 z_new = layout.views[k].view_as(e.z).clone()
             theta = e.param.detach()
@@ -294,14 +298,24 @@ class HSADMM:
         if changed:
             self._compact = None   # the compact shapes changed: new buckets
 
-    def _layout(self, param_numels) -> BucketLayout:
+    def _layout(self, param_numels, zero_tail: int = 0) -> BucketLayout:
         """Buckets for one number per parameter, then the float buffers (always dense)."""
         return BucketLayout(list(param_numels) + [b.numel() for _, b in self.buffers], self.dtype, self.device,
-                            self.bucket_bytes)
+                            self.bucket_bytes, zero_tail=zero_tail)
 
     def _compact_layout(self) -> BucketLayout:
+        """The compact buckets, made again whenever the masks change. Layers with a gather plan (whole rows or
+        kernels; anything on CUDA) recover z by one gather from their bucket slice, pruned chunks reading a zero
+        row kept past each bucket's end (never sent): z is written once, not zero-filled and then scattered."""
         if self._compact is None:
-            self._compact = self._layout(e.compact_numel() for e in self.entries)
+            tail = 2 * max((e.chunks.chunk for e in self.structured if e.chunks is not None), default=0)
+            self._compact = self._layout((e.compact_numel() for e in self.entries), zero_tail=tail)
+        if self._gathers_of is not self._compact:   # a new layout, or one restored with its masks
+            self._gathers, self._gathers_of = {}, self._compact
+            for k, e in enumerate(self.entries):
+                if e.structured and e.chunks is not None:
+                    rows, zero_row = self._compact.chunk_rows(k, e.chunks.chunk)
+                    self._gathers[k] = (rows, e.chunks.slot.masked_fill(e.chunks.slot < 0, zero_row))
         return self._compact
 
     def _sum_over_job(self, local: torch.Tensor) -> torch.Tensor:

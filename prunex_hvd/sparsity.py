@@ -32,7 +32,7 @@ import fnmatch
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -364,36 +364,82 @@ def _channel_runs(col_idx: Tensor, ksize: int) -> Optional[Tensor]:
     return None
 
 
-def _chunk_index(row_idx: Tensor, ch: Tensor, c_in: int) -> Tensor:
-    """Numbers of the kept ``ksize``-float chunks in ``tensor.view(-1, ksize)``: (row r, channel c) → r·C_in + c.
-    One dim-0 gather of whole chunks is a row-wise memcpy in ATen, ~2-4× faster than gathering along dim 1."""
-    return (row_idx[:, None] * c_in + ch[None, :]).reshape(-1)
+class GatherPlan(NamedTuple):
+    """Shrink and recover of one layer as one gather each, for as long as its masks hold.
+
+    The tensor is read as rows of ``chunk`` elements: whole GEMM rows when every column is kept (filter
+    structure), whole kernels when the columns come in whole channels (on CPU), single elements on CUDA.
+    ``kept``: the chunk numbers of the compact block, in order (shrink gathers them). ``slot``: for every chunk
+    of the tensor its place in the block, or -1 where it is pruned (recover gathers by it, see
+    :func:`recover_gather`)."""
+    chunk: int
+    kept: Tensor
+    slot: Tensor
 
 
-def chunk_index(row_idx, col_idx, shape) -> Optional[Tensor]:
-    """What :func:`shrink` / :func:`recover` compute on every call for a channel-structured block on CPU (the
-    kept kernel-sized chunks), or None where they take another path. Pass it as ``chunks=`` while the masks
-    stay the same (frozen masks: every remaining round): a layer's shrink then costs one gather."""
-    shape = torch.Size(shape)
+def _kernel_chunks(row_idx: Tensor, col_idx: Tensor, shape: torch.Size) -> Optional[Tensor]:
+    """Numbers of the kept kernel-sized chunks in ``tensor.view(-1, KH*KW)`` for a channel-structured column
+    set on CPU: (row r, channel c) → r·C_in + c. One dim-0 gather of whole chunks is a row-wise memcpy in ATen,
+    ~2-4× faster than gathering along dim 1."""
     ksize = shape[2] * shape[3] if len(shape) == 4 else 1
-    col_idx = _idx(col_idx, "cpu") if not isinstance(col_idx, Tensor) else col_idx
-    if len(col_idx) == shape.numel() // shape[0]:
-        return None
     ch = _channel_runs(col_idx, ksize)
-    return None if ch is None else _chunk_index(_idx(row_idx, col_idx.device), ch, shape[1])
+    return None if ch is None else (row_idx[:, None] * shape[1] + ch[None, :]).reshape(-1)
 
 
-def _take_cols(g: Tensor, row_idx: Tensor, col_idx: Tensor, ksize: int, out: Optional[Tensor],
-               chunks: Optional[Tensor] = None) -> Tensor:
+def gather_plan(row_idx, col_idx, shape) -> Optional[GatherPlan]:
+    """The :class:`GatherPlan` of these index sets, or None where none pays: a dense set (a plain copy) and,
+    on CPU, columns that are not whole channels (single-element gathers there are slower than a scatter).
+
+    On CUDA every structure gets one: each kernel launch costs about what copying a layer does, so one gather
+    beats the two or three launches of the general path. Compute it once per mask and pass it as ``plan=``."""
+    shape = torch.Size(shape)
+    n_rows = shape[0]
+    n_cols = shape.numel() // n_rows if n_rows else 0
+    device = col_idx.device if isinstance(col_idx, Tensor) else torch.device("cpu")
+    row_idx, col_idx = _idx(row_idx, device), _idx(col_idx, device)
+    r, c = row_idx.numel(), col_idx.numel()
+    if (r, c) == (n_rows, n_cols):
+        return None
+    if c == n_cols:
+        chunk, kept = n_cols, row_idx
+    elif device.type == "cuda":
+        chunk, kept = 1, (row_idx[:, None] * n_cols + col_idx[None, :]).reshape(-1)
+    else:
+        kept = _kernel_chunks(row_idx, col_idx, shape)
+        if kept is None:
+            return None
+        chunk = n_cols // shape[1]
+    # int32 halves the index memory on CUDA (one per element there); index_select takes either.
+    itype = torch.int32 if device.type == "cuda" and shape.numel() < 2**31 else torch.long
+    slot = torch.full((shape.numel() // chunk,), -1, dtype=itype, device=device)
+    slot[kept] = torch.arange(kept.numel(), dtype=itype, device=device)
+    return GatherPlan(chunk, kept.to(itype), slot)
+
+
+def recover_gather(rows_with_zero: Tensor, index: Tensor, shape, out: Optional[Tensor] = None) -> Tensor:
+    """:func:`recover` as one dim-0 gather: ``result.view(-1, chunk)[j] = rows_with_zero[index[j]]``.
+
+    ``rows_with_zero`` is the compact block viewed as rows of ``chunk`` elements followed, somewhere, by a row of
+    zeros; ``index`` is the plan's ``slot`` with every -1 pointing at that zero row
+    (:meth:`prunex_hvd.buckets.BucketLayout.chunk_rows` gives both). Unlike zero-fill + scatter, it writes every
+    element once: on CPU at the speed of a copy. ``out``: a contiguous tensor of ``shape`` to write instead."""
+    if out is None:
+        return rows_with_zero.index_select(0, index).view(shape)
+    if out.shape != torch.Size(shape) or not out.is_contiguous():
+        raise ValueError(f"recover_gather: out must be contiguous of shape {tuple(shape)}, got {tuple(out.shape)}")
+    with torch.no_grad():
+        torch.index_select(rows_with_zero, 0, index, out=out.view(-1, rows_with_zero.shape[1]))
+    return out
+
+
+def _take_cols(g: Tensor, row_idx: Tensor, col_idx: Tensor, ksize: int, out: Optional[Tensor]) -> Tensor:
     """``g[row_idx][:, col_idx]`` for a column subset (rows: any subset, or all)."""
-    idx = chunks
-    if idx is None:
-        ch = _channel_runs(col_idx, ksize)
-        if ch is None:
-            # Rows first: dropping rows is a contiguous-chunk copy, and the column gather then runs over fewer rows.
-            g = g if row_idx.numel() == g.shape[0] else g.index_select(0, row_idx)
-            return torch.index_select(g, 1, col_idx, out=out) if out is not None else g.index_select(1, col_idx)
-        idx = _chunk_index(row_idx, ch, g.shape[1] // ksize)
+    ch = _channel_runs(col_idx, ksize)
+    if ch is None:
+        # Rows first: dropping rows is a contiguous-chunk copy, and the column gather then runs over fewer rows.
+        g = g if row_idx.numel() == g.shape[0] else g.index_select(0, row_idx)
+        return torch.index_select(g, 1, col_idx, out=out) if out is not None else g.index_select(1, col_idx)
+    idx = (row_idx[:, None] * (g.shape[1] // ksize) + ch[None, :]).reshape(-1)
     chunks = g.reshape(-1, ksize)   # a view unless g is a non-contiguous input
     if out is not None:
         torch.index_select(chunks, 0, idx, out=out.view(-1, ksize))
@@ -401,13 +447,24 @@ def _take_cols(g: Tensor, row_idx: Tensor, col_idx: Tensor, ksize: int, out: Opt
     return chunks.index_select(0, idx).view(row_idx.numel(), -1)
 
 
-def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None, chunks: Optional[Tensor] = None) -> Tensor:
+def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None, plan: Optional[GatherPlan] = None) -> Tensor:
     """The kept block ``gemm_view(tensor)[row_idx][:, col_idx]`` as a contiguous ``(len(row_idx), len(col_idx))``.
 
     With ``out`` (any contiguous tensor of that many elements, e.g. a slice of a flat communication bucket)
     the block is written there and ``out`` is returned viewed as 2-D; ``out`` may have another dtype (it is
-    cast). The ``out`` path is not differentiable. ``chunks``: :func:`chunk_index` of these index sets, cached.
+    cast). The ``out`` path is not differentiable. ``plan``: :func:`gather_plan` of these index sets, cached
+    while they hold: the block is then one gather.
     """
+    if plan is not None and tensor.is_contiguous() and (out is None or (out.dtype == tensor.dtype and
+                                                                         out.device == tensor.device)):
+        rows = tensor.view(-1, plan.chunk)
+        r, c = len(row_idx), len(col_idx)
+        if out is None:
+            return rows.index_select(0, plan.kept).view(r, c)
+        o = _out2d(out, r, c, "shrink")
+        with torch.no_grad():
+            torch.index_select(rows, 0, plan.kept, out=o.view(-1, plan.chunk))
+        return o
     g = gemm_view(tensor)
     n_rows, n_cols = g.shape
     row_idx, col_idx = _idx(row_idx, g.device), _idx(col_idx, g.device)
@@ -420,7 +477,7 @@ def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None, chunk
             return g.clone(memory_format=torch.contiguous_format)
         if all_cols:
             return g.index_select(0, row_idx)
-        return _take_cols(g, row_idx, col_idx, ksize, None, chunks)
+        return _take_cols(g, row_idx, col_idx, ksize, None)
 
     o = _out2d(out, r, c, "shrink")
     with torch.no_grad():
@@ -431,18 +488,19 @@ def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None, chunk
         elif all_cols:
             torch.index_select(g, 0, row_idx, out=o)
         else:
-            _take_cols(g, row_idx, col_idx, ksize, o, chunks)
+            _take_cols(g, row_idx, col_idx, ksize, o)
     return o
 
 
 def recover(compact: Tensor, row_idx, col_idx, shape, out: Optional[Tensor] = None,
-            chunks: Optional[Tensor] = None) -> Tensor:
+            plan: Optional[GatherPlan] = None) -> Tensor:
     """Inverse of :func:`shrink`: a tensor of ``shape``, zero except at ``row_idx × col_idx`` (gemm view).
 
     ``compact`` is the block, flat or 2-D. With ``out`` (a tensor of ``shape``) it is zero-filled, written and
     returned (not differentiable); otherwise a new tensor of ``compact``'s dtype and device is made.
     ``recover(shrink(W, r, c), r, c, W.shape)`` equals ``W`` wherever ``W`` is supported on ``r × c``.
-    ``chunks``: :func:`chunk_index` of these index sets, cached.
+    ``plan``: :func:`gather_plan` of these index sets, cached (one scatter of its chunks after the zero-fill;
+    :func:`recover_gather` needs no zero-fill at all).
     """
     shape = torch.Size(shape)
     n_rows = shape[0]
@@ -462,16 +520,16 @@ def recover(compact: Tensor, row_idx, col_idx, shape, out: Optional[Tensor] = No
     block = compact.reshape(r, c)
     if out is None:
         res = block.new_zeros(shape) if (r, c) != (n_rows, n_cols) else None
-        return _scatter(res, block, row_idx, col_idx, shape, n_rows, n_cols, chunks)
+        return _scatter(res, block, row_idx, col_idx, shape, n_rows, n_cols, plan)
     with torch.no_grad():
         block = block.detach().to(device=out.device, dtype=out.dtype)
         if (r, c) != (n_rows, n_cols):
             out.zero_()
-        _scatter(out, block, row_idx, col_idx, shape, n_rows, n_cols, chunks)
+        _scatter(out, block, row_idx, col_idx, shape, n_rows, n_cols, plan)
     return out
 
 
-def _scatter(dst, block, row_idx, col_idx, shape, n_rows, n_cols, chunks=None) -> Tensor:
+def _scatter(dst, block, row_idx, col_idx, shape, n_rows, n_cols, plan=None) -> Tensor:
     r, c = block.shape
     if (r, c) == (n_rows, n_cols):       # dense: nothing to zero, a straight copy
         if dst is None:
@@ -479,13 +537,13 @@ def _scatter(dst, block, row_idx, col_idx, shape, n_rows, n_cols, chunks=None) -
         return dst.copy_(block.reshape(shape))
     g = gemm_view(dst)                   # a view: dst is contiguous here
     ksize = shape[2] * shape[3] if len(shape) == 4 else 1
-    if chunks is None and c < n_cols:
-        ch = _channel_runs(col_idx, ksize)
-        chunks = None if ch is None else _chunk_index(row_idx, ch, n_cols // ksize)
-    if c == n_cols:
+    if plan is None and 1 < ksize and c < n_cols:
+        kept = _kernel_chunks(row_idx, col_idx, shape)
+        plan = None if kept is None else GatherPlan(ksize, kept, kept)
+    if plan is not None:                 # whole chunks: one dim-0 copy of rows of plan.chunk elements
+        dst.view(-1, plan.chunk).index_copy_(0, plan.kept.long(), block.reshape(-1, plan.chunk))
+    elif c == n_cols:
         g.index_copy_(0, row_idx, block)
-    elif chunks is not None:             # whole kernel-sized chunks: one dim-0 copy of rows of ksize floats
-        dst.view(-1, ksize).index_copy_(0, chunks, block.reshape(-1, ksize))
     elif r == n_rows:
         # scatter_ with a broadcast (stride-0) index: about 2.5x faster than index_copy_ along dim 1 on CPU.
         g.scatter_(1, col_idx[None, :].expand(r, c), block)

@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from prunex_hvd.sparsity import (StructureSpec, apply_masks, chunk_index, density, gemm_view, keep_count, masks_to_indices,
-                                 parse_spec, project, recover, resolve_specs, shrink, structured_masks)
+from prunex_hvd.buckets import BucketLayout
+from prunex_hvd.sparsity import (StructureSpec, apply_masks, density, gather_plan, gemm_view, keep_count,
+                                 masks_to_indices, parse_spec, project, recover, recover_gather, resolve_specs, shrink,
+                                 structured_masks)
 
 SHAPE = (4, 3, 2, 2)   # 4 filters, 3 channels, 12 GEMM columns: every subset enumerable
 
@@ -447,14 +449,79 @@ def test_shrink_non_contiguous_inputs():
 
 
 @pytest.mark.parametrize("spec", ["channel:0.5", "filter:0.5+channel:0.3", "shape:0.5", "filter:0.5"])
-def test_cached_chunk_index_gives_the_same_blocks(spec):
+def test_cached_gather_plan_gives_the_same_blocks(spec):
     w = torch.randn(12, 6, 3, 3)
     r, c = masks_to_indices(*structured_masks(w, spec))
-    chunks = chunk_index(r, c, w.shape)
-    assert (chunks is not None) == spec.startswith(("channel", "filter:0.5+channel"))
-    block = shrink(w, r, c, chunks=chunks)
+    plan = gather_plan(r, c, w.shape)
+    assert (plan is not None) == (spec != "shape:0.5")   # CPU: whole rows or whole kernels only
+    block = shrink(w, r, c, plan=plan)
     assert torch.equal(block, shrink(w, r, c))
     out = torch.full((block.numel(),), float("nan"))
-    assert torch.equal(shrink(w, r, c, out=out, chunks=chunks), block)
+    assert torch.equal(shrink(w, r, c, out=out, plan=plan), block)
     full = torch.full_like(w, float("nan"))
-    assert torch.equal(recover(block, r, c, w.shape, out=full, chunks=chunks), recover(block, r, c, w.shape))
+    assert torch.equal(recover(block, r, c, w.shape, out=full, plan=plan), recover(block, r, c, w.shape))
+
+
+@pytest.mark.parametrize("shape", [(8, 6, 3, 3), (16, 4, 1, 1), (5, 7, 2, 3)])
+@pytest.mark.parametrize("spec", ["channel:0.5", "filter:0.5", "filter:0.5+channel:0.3", "shape:0.5", "channel:0.3",
+                                  "filter:0.7+channel:0.5+shape:0.5", "dense"])
+def test_recover_gather_from_a_bucket_with_a_zero_tail(shape, spec):
+    """recover by one gather reads the block from its bucket slice and pruned chunks from the zero row past the
+    bucket's end; the neighbours in the bucket (garbage here) are never read, the tail is never sent."""
+    w = torch.randn(shape)
+    rows, cols = structured_masks(w, spec)
+    r, c = masks_to_indices(rows, cols)
+    plan = gather_plan(r, c, w.shape)
+    whole_rows = len(c) == cols.numel() and len(r) < rows.numel()
+    whole_kernels = len(c) < cols.numel() and shape[2] * shape[3] > 1 and \
+        torch.equal(cols.view(shape[1], -1).all(1).repeat_interleave(shape[2] * shape[3]), cols)
+    assert (plan is not None) == (whole_rows or whole_kernels)
+    if plan is None:
+        return
+    chunk, slot = plan.chunk, plan.slot
+    assert chunk == (cols.numel() if whole_rows else shape[2] * shape[3])
+    assert int((slot >= 0).sum()) * chunk == len(r) * len(c)
+    assert torch.equal(slot[plan.kept], torch.arange(len(plan.kept)))
+    for before in (0, 7, 13):   # the zero row must be found whatever the entry's offset
+        layout = BucketLayout([before, len(r) * len(c), 5], torch.float32, "cpu", 1 << 20, zero_tail=2 * chunk)
+        for v in layout.views:
+            v.copy_(torch.full((v.numel(),), float("nan")))
+        assert layout.buffers[0].numel() == before + len(r) * len(c) + 5   # the tail is not in the buffer
+        shrink(w, r, c, out=layout.views[1])
+        bucket_rows, zero_row = layout.chunk_rows(1, chunk)
+        z = recover_gather(bucket_rows, slot.masked_fill(slot < 0, zero_row), w.shape)
+        assert torch.equal(z, apply_masks(w, rows, cols))
+        assert torch.equal(z, recover(layout.views[1], r, c, w.shape))
+
+
+def test_chunk_rows_refuses_a_short_tail_or_ragged_rows():
+    layout = BucketLayout([9, 5], torch.float32, "cpu", 1 << 20, zero_tail=9)
+    with pytest.raises(ValueError, match="too short"):
+        layout.chunk_rows(0, 9)    # the buffer ends 5 into a row: the zero row needs up to 2*9-1
+    with pytest.raises(ValueError, match="whole number"):
+        layout.chunk_rows(1, 4)
+    assert BucketLayout([9, 5], torch.float32, "cpu", 1 << 20, zero_tail=17).chunk_rows(0, 9)[1] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec", ["channel:0.5", "filter:0.5", "filter:0.5+channel:0.3", "shape:0.5",
+                                  "filter:0.7+channel:0.5+shape:0.5"])
+def test_cuda_gather_plan_every_structure(spec):
+    """On CUDA every structure gets a plan (single elements where columns are not whole rows): shrink and
+    recover are one gather each, with the same blocks and tensors as the CPU paths."""
+    w = torch.randn(16, 8, 3, 3)
+    rows, cols = structured_masks(w, spec)
+    r, c = masks_to_indices(rows, cols)
+    wc, rc, cc = w.cuda(), r.cuda(), c.cuda()
+    plan = gather_plan(rc, cc, w.shape)
+    assert plan is not None and plan.slot.is_cuda
+    layout = BucketLayout([5, len(r) * len(c), 3], torch.float32, "cuda", 1 << 20, zero_tail=2 * plan.chunk)
+    for v in layout.views:
+        v.fill_(float("nan"))
+    shrink(wc, rc, cc, out=layout.views[1], plan=plan)
+    assert torch.equal(layout.views[1].cpu().view(len(r), len(c)), shrink(w, r, c))
+    bucket_rows, zero_row = layout.chunk_rows(1, plan.chunk)
+    z = recover_gather(bucket_rows, plan.slot.masked_fill(plan.slot < 0, zero_row), w.shape)
+    assert torch.equal(z.cpu(), apply_masks(w, rows, cols))
+    assert torch.equal(recover(layout.views[1], rc, cc, w.shape, plan=plan).cpu(), apply_masks(w, rows, cols))

@@ -89,7 +89,7 @@ class Communicator:
         if same_shape:
             with self._accounted("allgather", [nbytes(tensor)] * self.size):
                 return self._allgather_equal(tensor.contiguous())
-        shape = torch.tensor([tensor.dim()] + list(tensor.shape), dtype=torch.int64)
+        shape = torch.tensor([tensor.dim()] + list(tensor.shape), dtype=torch.int64, device=tensor.device)
         shape = torch.nn.functional.pad(shape, (0, 9 - shape.numel())) if shape.numel() < 9 else shape
         if shape.numel() > 9:
             raise ValueError("allgather supports tensors of at most 8 dimensions")
