@@ -269,8 +269,12 @@ def slim(model: nn.Module, example_input: torch.Tensor, calibration: Optional[to
         if remove:
             group.prune(idxs=remove)
 
-    with torch.inference_mode():   # the guard: same function on the calibration batch, or no export
-        want, got = model.eval()(calibration.to(device)).cpu(), work(calibration)
+    was_training = model.training
+    try:
+        with torch.inference_mode():   # the guard: same function on the calibration batch, or no export
+            want, got = model.eval()(calibration.to(device)).cpu(), work(calibration)
+    finally:
+        model.train(was_training)
     diff = float((want - got).abs().max())
     scale = max(1.0, float(want.abs().max()))
     if not diff <= 1e-4 * scale:
@@ -457,7 +461,8 @@ def export_run(run_dir: str, out: Optional[str] = None, json_out: Optional[str] 
         if samples and sum(len(t[0]) for t in test) >= samples:
             break
     if samples:
-        test[-1] = (test[-1][0][:samples - sum(len(t[0]) for t in test[:-1])], test[-1][1])
+        left = samples - sum(len(t[0]) for t in test[:-1])
+        test[-1] = (test[-1][0][:left], test[-1][1][:left])
     calibration = test[0][0][:64]
 
     small, removed = slim(model, calibration[:2], calibration=calibration)

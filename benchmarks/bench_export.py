@@ -1,0 +1,163 @@
+"""What `prunex-hvd export` makes of a channel-pruned model: parameters, FLOPs and CPU latency, masked vs slim;
+prints JSON.
+
+    python benchmarks/bench_export.py [--model resnet18] [--spec channel:0.5] [--repeats 10] [--threads 1]
+    python benchmarks/bench_export.py --run runs/NAME          # a trained run's final model instead
+
+Without ``--run`` the conv weights of a freshly built model are projected exactly as the engine's
+``finalize()`` leaves them, per mask mode:
+
+* ``per-layer``: ``sparsity.project`` on each conv (``coupled=False``);
+* ``coupled``: ``sparsity.coupled_project`` along ``dependencies.channel_couplings`` (``coupled=True``);
+* ``stream``: not an engine option: every conv reading one feature map (a whole residual stream included)
+  shares one channel mask, ranked by the joint norm over all of them (Torch-Pruning's groups). It measures
+  what dependency-aware masks on residual streams would add to what export can remove.
+
+The shapes that survive depend on the masks only (how many channels each layer keeps is fixed by the spec);
+which channels of a residual stream happen to line up across its readers depends on the weights, so a
+trained model can differ a little from these figures. BatchNorm gets trained-like statistics, which matters
+only where filters die (filter specs). Latency: the masked model and every slim model run interleaved in one
+process, batch 1 and 64, median of ``--repeats``; ``ratio`` is slim / masked.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchjson import emit  # noqa: E402
+
+from prunex_hvd import export, models, sparsity  # noqa: E402
+from prunex_hvd.dependencies import channel_couplings  # noqa: E402
+
+
+def trained_like(model: nn.Module, seed: int) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                n = m.num_features
+                m.running_mean.copy_(0.2 * torch.randn(n, generator=g))
+                m.running_var.copy_(0.5 + torch.rand(n, generator=g))
+                m.weight.copy_(0.5 + torch.rand(n, generator=g))
+                m.bias.copy_(0.3 * torch.randn(n, generator=g))
+    return model
+
+
+def stream_masks(model: nn.Module, keep: float, example: torch.Tensor) -> dict:
+    """``{conv weight name: projected weight}``: one channel mask per feature map, shared by all its conv
+    readers (and the filters of its conv writers, unless a linear reads the map too); per-layer elsewhere."""
+    import torch_pruning as tp
+
+    names = {m: n for n, m in model.named_modules()}
+    with torch.enable_grad():
+        DG = tp.DependencyGraph().build_dependency(model, example_inputs=example, verbose=False)
+    out = {}
+    for group in DG.get_all_groups(root_module_types=(nn.Conv2d,)):
+        readers, writers, dense_reader = [], [], False
+        for item in group:
+            m = item.dep.target.module
+            if isinstance(m, nn.Linear):
+                dense_reader = True
+            if isinstance(m, nn.Conv2d) and m.groups == 1 and list(item.idxs) == list(item.root_idxs):
+                (writers if DG.is_out_channel_pruning_fn(item.dep.handler) else readers).append(m)
+        if not readers:
+            continue
+        n = readers[0].in_channels
+        score = sum(sparsity.square_f32(m.weight).sum((0, 2, 3)) for m in readers)
+        if not dense_reader:
+            score = score + sum(sparsity.square_f32(m.weight).flatten(1).sum(1) for m in writers)
+        kept = torch.zeros(n, dtype=torch.bool)
+        kept[torch.sort(score, descending=True, stable=True).indices[:sparsity.keep_count(keep, n)]] = True
+        for m in readers:
+            out[names[m]] = m.weight.detach() * kept.view(1, -1, 1, 1)
+        if not dense_reader:
+            for m in writers:
+                w = out.get(names[m], m.weight.detach())
+                out[names[m]] = w * kept.view(-1, 1, 1, 1)
+    for name, m in model.named_modules():   # convs reading the model input: per layer, as the engine does
+        if isinstance(m, nn.Conv2d) and name not in out:
+            out[name] = sparsity.project(m.weight.detach(), f"channel:{keep}")
+    return {f"{k}.weight": v for k, v in out.items()}
+
+
+def masked_model(name: str, spec: str, mode: str, size: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = trained_like(models.build(name), seed).eval()
+    ws = {n: p for n, p in model.named_parameters() if p.dim() == 4}
+    specs = {n: sparsity.parse_spec(spec) for n in ws}
+    if mode == "per-layer":
+        new = {n: sparsity.project(w, specs[n]) for n, w in ws.items()}
+    elif mode == "coupled":
+        new = sparsity.coupled_project(ws, specs, channel_couplings(model))
+    else:
+        parts = sparsity.parse_spec(spec).parts
+        if [k for k, _ in parts] != ["channel"]:
+            raise ValueError(f"the stream mode takes a channel spec only, got {spec!r}")
+        new = stream_masks(model, parts[0][1], torch.randn(2, 3, size, size))
+    with torch.no_grad():
+        for n, w in new.items():
+            ws[n].copy_(w)
+    return model
+
+
+def figures(masked: nn.Module, small: nn.Module, removed: dict, x1: torch.Tensor) -> dict:
+    m, s = export.count_params(masked), export.count_params(small)
+    zeros = m["params"] - m["params_nonzero"]
+    return {"params_masked": m["params"], "params_nonzero_masked": m["params_nonzero"], "params_slim": s["params"],
+            "params_nonzero_slim": s["params_nonzero"], "params_ratio": s["params"] / m["params"],
+            # of the zeros the masks put in, the share the slim model no longer carries
+            "zeros_removed_share": 1 - (s["params"] - s["params_nonzero"]) / zeros if zeros else 0.0,
+            "flops_masked": export.count_flops(masked, x1), "flops_slim": export.count_flops(small, x1),
+            "flops_ratio": export.count_flops(small, x1) / export.count_flops(masked, x1),
+            "removed": {k: v for k, v in removed.items() if k != "groups"}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="resnet18")
+    ap.add_argument("--spec", default="channel:0.5")
+    ap.add_argument("--modes", default="per-layer,coupled,stream")
+    ap.add_argument("--run", default=None, help="a trained run folder: export its final model instead")
+    ap.add_argument("--image-size", type=int, default=32)
+    ap.add_argument("--batch-sizes", default="1,64")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+
+    if args.run:
+        masked, blob = export.load_run_model(args.run)
+        shape = (blob["in_channels"], blob["image_size"], blob["image_size"])
+        variants = {"run": masked}
+    else:
+        shape = (3, args.image_size, args.image_size)
+        variants = {mode: masked_model(args.model, args.spec, mode, args.image_size, args.seed)
+                    for mode in args.modes.split(",")}
+    gen = torch.Generator().manual_seed(args.seed)
+    calib = torch.randn((32, *shape), generator=gen)
+    doc = {"model": args.model if not args.run else blob["model"], "spec": args.spec if not args.run else blob.get(
+        "sparsity"), "input_shape": list(shape), "threads": args.threads, "modes": {}}
+    timed = {}
+    for mode, masked in variants.items():
+        small, removed = export.slim(masked, calib[:2], calibration=calib)
+        doc["modes"][mode] = figures(masked, small, removed, calib[:1])
+        timed.setdefault("masked", masked)   # every masked variant runs the same dense kernels
+        timed[f"slim:{mode}"] = small
+    lat = export.measure_latency(timed, shape, sizes, args.repeats)
+    doc["latency"] = lat
+    for mode in variants:
+        doc["modes"][mode]["latency_ratio"] = {bs: row[f"slim:{mode}"]["ratio"] for bs, row in lat["batch"].items()}
+    emit(doc, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
