@@ -425,10 +425,9 @@ def recover_gather(rows_with_zero: Tensor, index: Tensor, shape, out: Optional[T
     element once: on CPU at the speed of a copy. ``out``: a contiguous tensor of ``shape`` to write instead."""
     if out is None:
         return rows_with_zero.index_select(0, index).view(shape)
-    if out.shape != torch.Size(shape) or not out.is_contiguous():
+    if out.shape != shape or not out.is_contiguous():
         raise ValueError(f"recover_gather: out must be contiguous of shape {tuple(shape)}, got {tuple(out.shape)}")
-    with torch.no_grad():
-        torch.index_select(rows_with_zero, 0, index, out=out.view(-1, rows_with_zero.shape[1]))
+    torch.index_select(rows_with_zero, 0, index, out=out.view(-1, rows_with_zero.shape[1]))
     return out
 
 
@@ -455,16 +454,14 @@ def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None, plan:
     cast). The ``out`` path is not differentiable. ``plan``: :func:`gather_plan` of these index sets, cached
     while they hold: the block is then one gather.
     """
-    if plan is not None and tensor.is_contiguous() and (out is None or (out.dtype == tensor.dtype and
-                                                                         out.device == tensor.device)):
-        rows = tensor.view(-1, plan.chunk)
-        r, c = len(row_idx), len(col_idx)
+    if plan is not None and tensor.is_contiguous():
+        # Kept lean: on a GPU every microsecond of Python here is as long as the gather itself.
         if out is None:
-            return rows.index_select(0, plan.kept).view(r, c)
-        o = _out2d(out, r, c, "shrink")
-        with torch.no_grad():
-            torch.index_select(rows, 0, plan.kept, out=o.view(-1, plan.chunk))
-        return o
+            return tensor.view(-1, plan.chunk).index_select(0, plan.kept).view(len(row_idx), -1)
+        if out.dtype == tensor.dtype and out.is_contiguous() and out.numel() == plan.kept.numel() * plan.chunk:
+            src = tensor.detach() if tensor.requires_grad else tensor   # out= refuses autograd
+            torch.index_select(src.view(-1, plan.chunk), 0, plan.kept, out=out.view(-1, plan.chunk))
+            return out.view(len(row_idx), -1)
     g = gemm_view(tensor)
     n_rows, n_cols = g.shape
     row_idx, col_idx = _idx(row_idx, g.device), _idx(col_idx, g.device)
