@@ -140,8 +140,9 @@ def test_constant_channels_read_by_a_padded_conv_are_kept(digits):
     assert report["kept_constant"] + report["zero_constant"] == 8 + 16 + 32
 
 
-def test_save_and_load(tmp_path, digits):
-    masked = pruned(build("resnet_small", seed=4), "channel:0.5")
+@pytest.mark.parametrize("name", ["resnet_small", "resnet18"])
+def test_save_and_load(tmp_path, digits, name):
+    masked = pruned(build(name, seed=4), "channel:0.5")
     x = digits[0][0][:32]
     small, _ = export.slim(masked, x[:2], calibration=x)
     with torch.inference_mode():
@@ -158,7 +159,7 @@ def test_save_and_load(tmp_path, digits):
             "m.train(); m.eval()\n"
             "with torch.inference_mode():\n"
             "    d = (m(io['x']) - io['y']).abs().max().item()\n"
-            "assert d <= 1e-6, d\n"
+            "assert d <= 1e-5 * max(1.0, io['y'].abs().max().item()), d\n"
             "print('params', sum(p.numel() for p in m.parameters()))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -166,9 +167,10 @@ def test_save_and_load(tmp_path, digits):
 
     export.save(small, str(tmp_path / "slim.pt2"), x)
     ep = torch.export.load(str(tmp_path / "slim.pt2")).module()
+    tol = 1e-5 * max(1.0, float(want.abs().max()))
     with torch.inference_mode():
-        assert (ep(x) - want).abs().max() <= 1e-6
-        assert (ep(x[:1]) - want[:1]).abs().max() <= 1e-6   # the batch size is not baked in
+        assert (ep(x) - want).abs().max() <= tol
+        assert (ep(x[:1]) - want[:1]).abs().max() <= tol   # the batch size is not baked in
     with pytest.raises(ValueError, match=r"\.pt .*\.pt2"):
         export.save(small, str(tmp_path / "slim.onnx"), x)
 
