@@ -111,3 +111,18 @@ def test_engine_nccl(tmp_path):
         proc = run(mpirun(1, python_cmd("engine_worker.py", "--backend", "nccl", "--device", "cuda",
                                         "--out", str(tmp_path))))
         assert proc.returncode == 0 and "] ok checks=" in proc.stdout, proc.stdout[-6000:]
+
+
+@needs_mpirun
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("sparsity,specs,coupled", [(None, CHANNEL, False), (MIXED_ARG, MIXED, False),
+                                                    (None, CHANNEL, True)], ids=["channel", "mixed", "coupled"])
+def test_engine_cuda_tensors_on_2x2(tmp_path, sparsity, specs, coupled):
+    """The round on CUDA tensors (one gather per layer and direction for every structure, single-element plans
+    included) on 2 emulated nodes × 2, every round checked against the reference. Gloo stages the tensors
+    through the host so that four ranks can share one GPU, which NCCL refuses."""
+    args = ["--backend", "gloo", "--device", "cuda", "--out", str(tmp_path)]
+    args += (["--sparsity", sparsity] if sparsity else []) + (["--coupled"] if coupled else [])
+    proc = run(mpirun(4, python_cmd("engine_worker.py", *args), ["PRUNEX_RANKS_PER_NODE=2"]))
+    check(proc, tmp_path, specs, couplings={"3.weight": "0.weight"} if coupled else None)
