@@ -219,6 +219,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default=D.backend, help="auto, mpi, gloo, nccl or horovod")
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="emulate nodes: node = rank // N (same as env PRUNEX_RANKS_PER_NODE)")
+    g.add_argument("--timeout", type=float, default=None,
+                   help="seconds a collective may wait for the other ranks before the job stops, naming the ranks "
+                        "that did not arrive (a dead rank: within ~1 s); default env PRUNEX_TIMEOUT_S or 600, 0: off")
     g.add_argument("--out", default=D.out, help="run folder: metrics.jsonl, summary.json, checkpoints")
     g.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every,
                    help="rounds between checkpoints (0: off)")
@@ -278,9 +281,20 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, RuntimeError) as exc:
-        print(f"prunex-hvd: error: {exc}", file=sys.stderr)
+    except (ValueError, RuntimeError, FloatingPointError) as exc:   # the same message on every rank
+        print(f"prunex-hvd: error: {exc}", file=sys.stderr, flush=True)
+        _let_the_others_say_it()
         return 2
+
+
+def _let_the_others_say_it() -> None:
+    """The launcher tears the job down at the first non-zero exit: in a multi-rank job, wait a moment so the
+    other ranks (which raised the same error) print it too."""
+    import time
+
+    from prunex_hvd import runtime
+    if runtime.is_initialized() and runtime.topology().size > 1:
+        time.sleep(2)
 
 
 if __name__ == "__main__":

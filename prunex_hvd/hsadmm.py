@@ -16,6 +16,7 @@ Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`
 """
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import admm, sparsity
+from . import admm, sparsity, watchdog
 from .buckets import BucketLayout
 from .comm.accounting import ledger as default_ledger, ring_cross_node_bytes
 
@@ -60,6 +61,10 @@ class Entry:
         if not self.structured:
             return self.param.numel()
         return len(self.row_idx) * len(self.col_idx)
+
+
+def _ranks(ranks: List[int]) -> str:
+    return ",".join(map(str, ranks))
 
 
 class HSADMM:
@@ -164,7 +169,15 @@ class HSADMM:
         return self._support
 
     # -- the round ---------------------------------------------------------------------------------------
-    def consensus_round(self) -> dict:
+    def consensus_round(self, steps: Optional[int] = None) -> dict:
+        """One round (collective). ``steps``: the optimizer steps this rank has taken, compared across ranks in
+        the round's residual sum (ranks at different step counts raise on every rank instead of averaging models
+        of different ages, or deadlocking at the end when one rank runs out of rounds first). Watched: a rank
+        that never arrives stops the job, named (:mod:`prunex_hvd.watchdog`)."""
+        with watchdog.waiting(f"consensus round {self.round + 1}", world=True):
+            return self._round(steps)
+
+    def _round(self, steps: Optional[int]) -> dict:
         t0 = time.perf_counter()
         before = self.ledger.summary(by_op=False)
         g, topo = self.groups, self.topo
@@ -176,6 +189,8 @@ class HSADMM:
             torch.add(e.param.detach().reshape(-1), e.u.reshape(-1), out=self._dense.views[k])
         for j, (_, b) in enumerate(self.buffers):
             self._dense.views[n + j].copy_(b.reshape(-1))
+        # this rank's own inf/NaN, looked for before the node sum mixes it in (or a pruned entry hides it)
+        nonfinite = self._nonfinite()
         with self.ledger.tagged("intra-sum"):
             for buf in self._dense.buffers:
                 g.intra.allreduce_(buf, "sum")
@@ -186,6 +201,7 @@ class HSADMM:
             node_sum = self._dense.views[k].view_as(e.z)
             z_i_new.append(admm.node_candidate(node_sum, e.z, e.v, e.rho1, e.rho2, P, M, self.weight_decay_z))
         structured_ks = [k for k, e in enumerate(self.entries) if e.structured]
+        masks_before = self._mask_state()   # put back if the round is refused below
         if not self.frozen:
             local = self._masks({self.entries[k].name: z_i_new[k] for k in structured_ks})
             for k, (rows, cols) in zip(structured_ks, local):
@@ -213,28 +229,39 @@ class HSADMM:
                     g.inter.allreduce_(buf, "avg")
                 g.intra.broadcast_(buf, root=0)
 
-        # recover z, then 6. dual updates, 7. residuals
+        # recover z, 7. residuals; their job-wide sum also carries every rank's round, step count and inf/NaN
+        # flags (no extra collective), so every rank takes the same verdict before any state is updated
         local_sq = torch.zeros(n, 3, dtype=torch.float64)
-        s_inter_sq = []
+        s_inter_sq, z_new = [], []
         for k, e in enumerate(self.entries):
             if k in self._gathers:   # one gather of whole chunks from the bucket (see _compact_layout)
-                z_new = sparsity.recover_gather(*self._gathers[k], e.z.shape)
+                z_new.append(sparsity.recover_gather(*self._gathers[k], e.z.shape))
             elif e.structured:
-                z_new = sparsity.recover(layout.views[k], e.row_idx, e.col_idx, e.z.shape)
+                z_new.append(sparsity.recover(layout.views[k], e.row_idx, e.col_idx, e.z.shape))
             else:
-                z_new = layout.views[k].view_as(e.z).clone()
-            theta = e.param.detach()
-            local_sq[k, 0] = admm.sq_norm(theta - z_i_new[k])
+                z_new.append(layout.views[k].view_as(e.z).clone())
+            local_sq[k, 0] = admm.sq_norm(e.param.detach() - z_i_new[k])
             if topo.is_leader:   # node-level terms: once per node
                 local_sq[k, 1] = admm.sq_norm(z_i_new[k] - e.z_i) * e.rho1 ** 2
-                local_sq[k, 2] = admm.sq_norm(z_i_new[k] - z_new)
-            s_inter_sq.append(admm.sq_norm(z_new - e.z) * e.rho2 ** 2)
-            admm.update_dual(e.v, z_i_new[k], z_new)
-            admm.update_dual(e.u, theta, z_i_new[k])
-            e.z_i, e.z = z_i_new[k], z_new
+                local_sq[k, 2] = admm.sq_norm(z_i_new[k] - z_new[k])
+            s_inter_sq.append(admm.sq_norm(z_new[k] - e.z) * e.rho2 ** 2)
+        who = torch.zeros(topo.size, 3, dtype=torch.float64)   # one row per rank: summing fills every row
+        who[topo.rank] = torch.tensor([self.round + 1, -1 if steps is None else steps, float(any(nonfinite))])
+        where = torch.tensor(nonfinite, dtype=torch.float64)    # per entry, then the float buffers
+        summed = self._sum_over_job(torch.cat([local_sq.reshape(-1), who.reshape(-1), where]))
+        totals = summed[:3 * n].view(n, 3)
+        try:
+            self._check_round(summed[3 * n: 3 * n + 3 * topo.size].view(-1, 3), summed[3 * n + 3 * topo.size:],
+                              totals, s_inter_sq)
+        except BaseException:
+            self._restore_mask_state(masks_before)
+            raise
+        for k, e in enumerate(self.entries):
+            admm.update_dual(e.v, z_i_new[k], z_new[k])
+            admm.update_dual(e.u, e.param.detach(), z_i_new[k])
+            e.z_i, e.z = z_i_new[k], z_new[k]
         for j, (_, b) in enumerate(self.buffers):
             b.copy_(layout.views[n + j].view_as(b))
-        totals = self._sum_over_job(local_sq)
 
         for k, e in enumerate(self.entries):
             r_intra, s_intra, r_inter, s_inter = admm.residual_norms(*totals[k].tolist(), s_inter_sq[k])
@@ -266,6 +293,59 @@ class HSADMM:
         self.frozen = True
 
     # -- helpers -----------------------------------------------------------------------------------------
+    def _nonfinite(self) -> List[bool]:
+        """Per entry (then one for all float buffers): does this rank's θ + u (the dense views before the intra
+        sum) hold inf or NaN? One check per bucket when all is well."""
+        n = len(self.entries)
+        views = self._dense.views
+        if all(bool(torch.isfinite(b).all()) for b in self._dense.buffers):
+            return [False] * (n + 1)
+        return [not bool(torch.isfinite(views[k]).all()) for k in range(n)] + \
+            [any(not bool(torch.isfinite(v).all()) for v in views[n:])]
+
+    def _check_round(self, who: torch.Tensor, where: torch.Tensor, totals: torch.Tensor,
+                     s_inter_sq: List[float]) -> None:
+        """Refuse the round, on every rank alike, if the ranks were not at the same round and step count, or if
+        inf/NaN showed up anywhere. Every input is the same on every rank (job-wide sums, and s_inter from the
+        global z), so is the verdict. Raised before any state is updated: the engine (and the last checkpoint)
+        stay at the previous round."""
+        def by_value(column: torch.Tensor) -> str:
+            groups: Dict[int, List[int]] = {}
+            for r, v in enumerate(column.tolist()):
+                groups.setdefault(int(v), []).append(r)
+            return "; ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}" for v, rs in sorted(groups.items()))
+        if len(set(who[:, 0].tolist())) > 1:
+            raise RuntimeError(f"consensus round: the ranks are in different rounds ({by_value(who[:, 0])}); "
+                               f"every rank must run every round, and resume from the same checkpoint")
+        if min(who[:, 1].tolist()) >= 0 and len(set(who[:, 1].tolist())) > 1:
+            raise RuntimeError(
+                f"consensus round {self.round + 1}: the ranks took different numbers of optimizer steps "
+                f"({by_value(who[:, 1])}). Every rank must step as often between rounds (equal data shards, drop "
+                f"the last partial batch), else a round averages models of different ages and the last rounds "
+                f"cannot line up")
+        n = len(self.entries)
+        bad_ranks = [r for r, flag in enumerate(who[:, 2].tolist()) if flag]
+        bad = ["the float buffers (BatchNorm running statistics)"] if where[n] else []
+        bad += [self.entries[k].name for k in range(n)
+                if where[k] or not (bool(torch.isfinite(totals[k]).all()) and math.isfinite(s_inter_sq[k]))]
+        if bad or bad_ranks:
+            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            source = (f"θ + u of rank{'s' if len(bad_ranks) > 1 else ''} {_ranks(bad_ranks)}" if bad_ranks
+                      else "the consensus (it overflowed from finite inputs)")
+            raise FloatingPointError(
+                f"consensus round {self.round + 1}: inf or NaN in {shown or 'the model'}, from {source}. Every "
+                f"rank stops here with the state of round {self.round}: lower the learning rate or rho, check "
+                f"the data, and resume from the last checkpoint")
+
+    def _mask_state(self):
+        return ([(e.rows, e.cols, e.row_idx, e.col_idx, e.chunks) for e in self.structured], self.mask_drift,
+                self._compact)
+
+    def _restore_mask_state(self, saved) -> None:
+        masks, self.mask_drift, self._compact = saved
+        for e, (rows, cols, row_idx, col_idx, chunks) in zip(self.structured, masks):
+            e.rows, e.cols, e.row_idx, e.col_idx, e.chunks = rows, cols, row_idx, col_idx, chunks
+
     def _masks(self, weights: Dict[str, torch.Tensor]) -> List[tuple]:
         """Π_S's support for every structured entry (in ``self.structured`` order), coupled channel groups
         pruned together."""

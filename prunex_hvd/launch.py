@@ -5,10 +5,13 @@ torch.distributed rendezvous address. Tensors never go through it; they go throu
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import socket
 from typing import Any, Hashable, List, Optional
+
+from . import watchdog
 
 MPI_ENV_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MV2_COMM_WORLD_SIZE",
                 "MPI_LOCALNRANKS")
@@ -40,6 +43,17 @@ def detect() -> str:
     if launched_by_torchrun():
         return "torchrun"
     return "single"
+
+
+def _watched(fn):
+    """A control-plane call is a world-wide collective: watched, and counted as a point every rank passes."""
+    what = f"control-plane {fn.__name__.replace('_object', '')}"
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with watchdog.waiting(what, world=True, transport=True):
+            return fn(self, *args, **kwargs)
+    return wrapper
 
 
 class Control:
@@ -87,9 +101,11 @@ class MPIControl(Control):
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
 
+    @_watched
     def allgather_object(self, obj):
         return self.comm.allgather(obj)
 
+    @_watched
     def broadcast_object(self, obj, root=0):
         return self.comm.bcast(obj, root=root)
 
@@ -119,10 +135,12 @@ class HorovodControl(Control):
 
     # Horovod names an object collective by the object's type unless told: ranks sending None and str
     # would wait on each other forever, so every call gets the same explicit name on all ranks.
+    @_watched
     def allgather_object(self, obj):
         self._calls += 1
         return self.hvd.allgather_object(obj, name=f"prunex.control.allgather.{self._calls}")
 
+    @_watched
     def broadcast_object(self, obj, root=0):
         self._calls += 1
         return self.hvd.broadcast_object(obj, root_rank=root, name=f"prunex.control.broadcast.{self._calls}")
@@ -145,11 +163,13 @@ class TorchrunControl(Control):
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
 
+    @_watched
     def allgather_object(self, obj):
         out = [None] * self.size
         self.dist.all_gather_object(out, obj)
         return out
 
+    @_watched
     def broadcast_object(self, obj, root=0):
         box = [obj]
         self.dist.broadcast_object_list(box, src=root)

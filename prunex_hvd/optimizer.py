@@ -85,7 +85,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def consensus(self) -> dict:
         """Run a consensus round now (collective: every rank must call it). Returns the round's report."""
-        self._last_report = self._engine.consensus_round()
+        self._last_report = self._engine.consensus_round(steps=self._step_count_local)
         return self._last_report
 
     def finalize(self) -> None:

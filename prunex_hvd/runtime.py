@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from . import comm
+from . import comm, watchdog
 from .launch import Control, detect, make_control
 from .topology import Topology, TopologyError, group_nodes, requested_ranks_per_node
 
@@ -13,22 +13,26 @@ _backend: Optional[str] = None
 _args: Optional[tuple] = None
 
 
-def init(backend: str = "auto", ranks_per_node: Optional[int] = None) -> Topology:
+def init(backend: str = "auto", ranks_per_node: Optional[int] = None, timeout: Optional[float] = None) -> Topology:
     """Discover rank, node and leadership, check every rank agrees, and build ``backend``'s groups.
 
     Discovery order: Horovod (when installed and launched by horovodrun or MPI), MPI (mpi4py), torchrun's
     environment, else a single process. ``ranks_per_node`` (or env ``PRUNEX_RANKS_PER_NODE``) overrides the
     node grouping: node = rank // ranks_per_node, so emulated nodes can share one host under mpirun.
 
+    ``timeout`` (or env ``PRUNEX_TIMEOUT_S``, default 600 s, 0: off): how long any collective may wait before
+    the watchdog stops the job, naming the ranks that did not arrive; a rank that died is named within about a
+    second (:mod:`prunex_hvd.watchdog`).
+
     Collective: every rank must call it. Any problem (an unknown backend, an unavailable one, nodes of
     different sizes, ranks that disagree about the override) raises the same error on every rank."""
     global _topology, _control, _backend, _args
     comm.check_backend_name(backend)  # same answer on every rank: safe to raise before talking
     if _topology is not None:
-        if _args == (backend, ranks_per_node):
+        if _args == (backend, ranks_per_node, timeout):
             return _topology
         raise RuntimeError(f"prunex_hvd is already initialised with backend={_args[0]!r}, "
-                           f"ranks_per_node={_args[1]!r}; call prunex_hvd.shutdown() first")
+                           f"ranks_per_node={_args[1]!r}, timeout={_args[2]!r}; call prunex_hvd.shutdown() first")
     launcher = detect()
     control = make_control(launcher)
     try:
@@ -38,8 +42,9 @@ def init(backend: str = "auto", ranks_per_node: Optional[int] = None) -> Topolog
     control.agree(error, TopologyError)
     reports = control.allgather_object((control.node_key(), rpn))
     topo = group_nodes(control.rank, reports, launcher=launcher, grouping=control.grouping)
-    _topology, _control, _backend, _args = topo, control, backend, (backend, ranks_per_node)
+    _topology, _control, _backend, _args = topo, control, backend, (backend, ranks_per_node, timeout)
     try:
+        watchdog.start(control, topo.rank, topo.size, timeout)
         comm.groups(backend)
     except Exception:
         shutdown()
@@ -69,5 +74,6 @@ def is_initialized() -> bool:
 def shutdown() -> None:
     """Forget the topology and groups (the launcher's own runtime stays up)."""
     global _topology, _control, _backend, _args
+    watchdog.stop()
     comm._forget()
     _topology = _control = _backend = _args = None

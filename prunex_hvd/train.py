@@ -69,6 +69,7 @@ class TrainConfig:
     bucket_mb: float = 32
     backend: str = "auto"
     ranks_per_node: Optional[int] = None
+    timeout: Optional[float] = None            # s a collective may wait before the job stops naming who is missing
     seed: int = 0
     out: str = "runs/run"
     checkpoint_every: int = 1                  # rounds; 0: only at the end of a --stop-after-rounds slice
@@ -213,7 +214,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     from tqdm import tqdm
 
     cfg.validate()
-    topo = px.init(backend=cfg.backend, ranks_per_node=cfg.ranks_per_node)
+    topo = px.init(backend=cfg.backend, ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout)
     _, control = runtime.state()
     threads = _set_threads(cfg.threads, control)
     rank, is_main = topo.rank, topo.rank == 0

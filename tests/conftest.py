@@ -14,3 +14,13 @@ def single_process(monkeypatch):
     px.shutdown()
     yield
     px.shutdown()
+
+
+@pytest.fixture(scope="session")
+def full_run(tmp_path_factory):
+    """The uninterrupted reference run of tests/training_job.py (one per session: resume tests compare with it)."""
+    from training_job import train
+    out = tmp_path_factory.mktemp("train") / "full"
+    proc = train(out)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return out, proc.stdout

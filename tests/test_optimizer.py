@@ -174,3 +174,32 @@ def test_one_process_sends_nothing_across_nodes():
     train(model, opt, 6)
     s = opt.stats()
     assert s["rounds"] == 2 and s["inter_bytes"] == s["dense_inter_bytes"] == s["inter_consensus_bytes"] == 0
+
+
+@pytest.mark.parametrize("where,named", [("param", r"inf or NaN in 3\.weight, from θ \+ u of rank 0"),
+                                         ("buffer", r"inf or NaN in the float buffers \(BatchNorm running statistics\)")])
+def test_inf_or_nan_stops_the_round_before_any_state_changes(where, named):
+    model, opt = make(freeze_round=None, freeze_patience=100)
+    train(model, opt, 3)                                   # round 1: masks moved off all-ones
+    eng = opt._engine
+    before = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in eng.state_dict()["entries"]["3.weight"].items()
+              if k != "residuals"}
+    masks = [(e.rows.clone(), e.cols.clone()) for e in eng.structured]
+    with torch.no_grad():
+        if where == "param":   # in a pruned input channel: the projection alone would hide it
+            pruned = int((~eng.structured[1].cols).nonzero()[0]) // 9
+            model[3].weight[2, pruned, 1, 1] = float("nan")
+        else:
+            model[1].running_var[0] = float("inf")
+    with pytest.raises(FloatingPointError, match=named + r".*state of round 1"):
+        opt.consensus()
+    assert eng.round == 1
+    after = eng.state_dict()["entries"]["3.weight"]
+    assert all(torch.equal(after[k], v) if torch.is_tensor(v) else after[k] == v for k, v in before.items())
+    assert all(torch.equal(e.rows, r) and torch.equal(e.cols, c) for e, (r, c) in zip(eng.structured, masks))
+    assert torch.isfinite(model[1].running_mean).all()     # buffers not overwritten from the bad round
+    with torch.no_grad():                                  # put it right: the next round runs
+        model[3].weight.nan_to_num_(0.0)
+        model[1].running_var.clamp_(max=1.0)
+    opt.consensus()
+    assert eng.round == 2

@@ -9,32 +9,9 @@ import pytest
 import torch
 
 from launching import BIN, horovodrun, mpirun, needs_horovod, needs_mpirun, run
+from training_job import ARGS, NODES2, STEPS, metrics, train
 
 pytestmark = [pytest.mark.launch, needs_mpirun]
-
-ARGS = ["--model", "resnet_small", "--dataset", "digits", "--image-size", "8", "--epochs", "3", "--local-steps", "7",
-        "--batch-size", "16", "--lr", "0.05", "--rho1", "0.01", "--rho2", "0.001", "--freeze-round", "3",
-        "--threads", "1", "--no-progress"]
-STEPS = 3 * (1437 // 4 // 16)                       # 22 batches per epoch and rank on the digits split
-NODES2 = ["PRUNEX_RANKS_PER_NODE=2"]
-
-
-def train(out, *extra, np_=4):
-    proc = run(mpirun(np_, [str(BIN / "prunex-hvd"), "train", *ARGS, "--out", str(out), *extra], NODES2),
-               timeout=300)
-    return proc
-
-
-def metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("train") / "full"
-    proc = train(out)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    return out, proc.stdout
 
 
 def test_metrics_summary_and_final_model(full_run):

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .. import agreement, runtime
+from .. import agreement, runtime, watchdog
 from ..comm import groups as comm_groups
 from ..comm.accounting import CommRecord, ring_cross_node_bytes, ring_sent_bytes
 from .common import MethodOptimizer, Traffic, broadcast_model, check_wrapping, flat_layout, mix_into
@@ -53,7 +53,8 @@ def _account_horovod(opt, model, world) -> None:
 
     def accounted_synchronize(self):
         t0 = time.perf_counter()
-        synchronize()
+        with watchdog.waiting("Horovod's gradient allreduce", world=True, transport=True):
+            synchronize()
         payload = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
         sizes = [payload] * world.size
         wire = ring_sent_bytes("allreduce", sizes, world.rank)

@@ -5,21 +5,21 @@ world (Horovod or MPI): rank 0 picks an address and a free port and tells the ot
 """
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import List
 
 import torch
 import torch.distributed as dist
 
+from .. import watchdog
 from .base import Communicator, Groups
 
-ENV_TIMEOUT = "PRUNEX_TIMEOUT_S"
-
-
 def default_timeout() -> timedelta:
-    """How long a collective may wait for a peer before failing (env ``PRUNEX_TIMEOUT_S``, default 1800)."""
-    return timedelta(seconds=float(os.environ.get(ENV_TIMEOUT, "1800")))
+    """How long a torch.distributed collective may wait for a peer before failing: past the watchdog's timeout
+    (env ``PRUNEX_TIMEOUT_S``), so the watchdog, which names the missing rank, speaks first; 30 min without it."""
+    wd = watchdog.current()
+    seconds = watchdog.timeout_s(wd.timeout if wd else None)
+    return timedelta(seconds=1.5 * seconds + 30 if seconds else 1800)
 
 
 def ensure_world(topo, control) -> None:

@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .. import watchdog
 from .accounting import CommLedger, CommRecord, ledger as default_ledger, ring_cross_node_bytes, ring_sent_bytes
 
 REDUCE_OPS = ("sum", "avg", "max")
@@ -168,9 +169,17 @@ class _Accounted:
         self.comm, self.op, self.sizes, self.root = comm, op, sizes, root
 
     def __enter__(self):
+        wd = watchdog.current()   # every collective is watched: a dead or stalled peer stops the job, named
+        if wd is not None:
+            wd.enter(f"{self.op} on the {self.comm.tier} group", world=False)
         self.t0 = time.perf_counter()
 
     def __exit__(self, exc_type, exc, tb):
+        wd = watchdog.current()
+        if wd is not None:
+            wd.leave()
+            if exc_type is not None and issubclass(exc_type, Exception):
+                wd.stop_if_rank_died()   # a peer's death shows here as an opaque transport error
         if exc_type is not None:
             return False
         c = self.comm

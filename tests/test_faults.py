@@ -1,0 +1,149 @@
+"""Faults injected for real into 4-rank jobs on 2 emulated nodes (tests/workers/fault_worker.py): NaN in one
+rank's data, one rank killed with SIGKILL or stopped with SIGSTOP in the middle of a consensus round, a
+truncated checkpoint file, ranks at different step counts. Every fault must end the job on every rank, loudly,
+within a bound, naming the rank at fault, and a resume from the last checkpoint must end bit for bit where an
+uninterrupted run ends."""
+import os
+import re
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+
+from launching import horovodrun, mpirun, needs_horovod, needs_mpirun, python_cmd, run
+from training_job import NODES2, metrics, train
+
+pytestmark = [pytest.mark.launch, needs_mpirun]
+
+FAULT = ["python", "fault_worker.py"]
+# A launch on this 2-core host can take 20-40 s under load; a timeout well above the ranks' start-up skew
+TIMEOUT_S = 20
+SMALL = ["--model", "resnet_small", "--dataset", "digits", "--image-size", "8", "--epochs", "1", "--local-steps", "3",
+         "--batch-size", "16", "--threads", "1", "--no-progress", "--timeout", str(TIMEOUT_S)]
+
+
+def fault_cmd(out, fault, rank, at_round):
+    return python_cmd("fault_worker.py", "--fault", fault, "--rank", str(rank), "--round", str(at_round),
+                      "--out", str(out), "--")
+
+
+def manifest_tag(out):
+    import json
+    return json.loads((out / "checkpoint.json").read_text())["tag"]
+
+
+def cleanup(out):
+    """A stopped rank may outlive its job: kill it (SIGKILL works on a stopped process)."""
+    pid = out / "fault.pid"
+    if pid.exists():
+        try:
+            os.kill(int(pid.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def watchdog_lines(stdout):
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"\[rank (\d+)\] prunex_hvd watchdog: (.*)", stdout)}
+
+
+def test_nan_then_kill_then_resume_ends_bit_for_bit_like_the_uninterrupted_run(full_run, tmp_path):
+    """One job through three faults. (1) NaN in one batch of rank 1 before round 3: every rank stops in round 3
+    with the same error, the round-2 checkpoint untouched. (2) A copy of it with one rank file truncated is
+    refused by every rank. (3) The resume runs on and rank 3 is killed (SIGKILL) in the middle of round 6: the
+    job ends within the bound, rank 3 named. (4) A last resume ends exactly where the uninterrupted run ends."""
+    ref, _ = full_run
+    out = tmp_path / "run"
+
+    proc = train(out, env_vars=["FAULT_STEP=20"], cmd=fault_cmd(tmp_path, "nan", 1, 3))   # round 3 is at step 21
+    assert proc.returncode != 0
+    assert proc.stdout.count("prunex-hvd: error: consensus round 3: inf or NaN in the float buffers (BatchNorm "
+                             "running statistics), conv1.weight, ") == 4, proc.stdout[-4000:]
+    assert proc.stdout.count("from θ + u of rank 1. Every rank stops here with the state of round 2") == 4
+    assert manifest_tag(out) == 14 and len(list((out / "ckpt").glob("tag00000014.rank*.pt"))) == 4
+    assert [r["round"] for r in metrics(out)] == [1, 2]
+
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    victim = bad / "ckpt" / "tag00000014.rank00002.pt"
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 3])
+    proc = train(bad, "--resume")
+    assert proc.returncode != 0
+    assert proc.stdout.count("cannot resume from") == 4, proc.stdout[-4000:]
+    assert proc.stdout.count("rank00002.pt is corrupt: its SHA-256 differs") == 4
+
+    t0 = time.monotonic()
+    proc = train(out, "--resume", "--timeout", str(TIMEOUT_S), cmd=fault_cmd(tmp_path, "kill", 3, 6))
+    took = time.monotonic() - t0
+    assert proc.returncode != 0 and (tmp_path / "fault.pid").exists()
+    assert re.search(r"rank 3 died \(its process is gone\)|process rank 3 with PID \d+ .*exited on signal 9",
+                     proc.stdout), proc.stdout[-4000:]
+    assert took < 120, took
+    assert manifest_tag(out) == 35                     # round 5's checkpoint; round 6 was never completed
+
+    proc = train(out, "--resume")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    a = torch.load(ref / "final_model.pt")["state_dict"]
+    b = torch.load(out / "final_model.pt")["state_dict"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    drop = lambda rec: {k: v for k, v in rec.items() if k != "wall_s"}  # noqa: E731
+    assert [drop(r) for r in metrics(ref)] == [drop(r) for r in metrics(out)]
+
+
+def test_ranks_at_different_step_counts_are_refused_in_the_round(tmp_path):
+    proc = run(mpirun(4, python_cmd("fault_worker.py", "--fault", "uneven", "--rank", "2", "--out", str(tmp_path)),
+                      NODES2), timeout=120)
+    assert proc.returncode != 0
+    for r in range(4):
+        text = (tmp_path / f"error.rank{r}.txt").read_text()
+        assert "consensus round 1: the ranks took different numbers of optimizer steps (5 on ranks 0,1,3; " \
+               "6 on rank 2)" in text, text
+
+
+def stalled_job(tmp_path, launcher, rank):
+    cmd = fault_cmd(tmp_path, "stop", rank, 2) + ["train", *SMALL, "--out", str(tmp_path / "run")]
+    full = mpirun(4, cmd, NODES2) if launcher == "mpirun" else horovodrun(4, "localhost:2,127.0.0.1:2", cmd)
+    t0 = time.monotonic()
+    try:
+        proc = run(full, timeout=180)
+    finally:
+        cleanup(tmp_path)
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("launcher,rank", [("mpirun", 3), pytest.param("horovodrun", 0, marks=needs_horovod)])
+def test_a_stalled_rank_is_named_by_every_other_rank(tmp_path, launcher, rank):
+    """Rank R stops (SIGSTOP) in the middle of round 2: its process lives on, the launcher sees nothing. Every
+    other rank's watchdog stops the job after the timeout, naming it (rank 0 stalled: its hub is silent)."""
+    proc, took = stalled_job(tmp_path, launcher, rank)
+    assert (tmp_path / "fault.pid").exists() and proc.returncode != 0
+    said = watchdog_lines(proc.stdout)
+    others = set(range(4)) - {rank}
+    assert others <= set(said), proc.stdout[-4000:]
+    if rank == 0:   # no hub: each rank finds rank 0 silent on its own
+        for r in others:
+            assert re.search(r"consensus round 2 did not complete within 20 s; rank 0 does not answer", said[r])
+    else:
+        first = [r for r in others if "which reports" not in said[r]]
+        assert first and all(f"stopping with rank {first[0]}, which reports" in said[r]
+                             for r in others - {first[0]}), said
+        assert re.search(r"consensus round 2 did not complete within 20 s; .*rank 3 is silent for \d+ s "
+                         r"\(stopped or hung\)", said[first[0]]), said
+    assert took < 150, took
+
+
+@needs_horovod
+def test_a_killed_rank_under_horovodrun_is_named(tmp_path):
+    """Rank 3 killed (SIGKILL) in the middle of round 2 under horovodrun --gloo (torch gloo groups): the
+    others' collectives fail, the watchdog names the dead rank, the job ends within seconds."""
+    cmd = fault_cmd(tmp_path, "kill", 3, 2) + ["train", *SMALL, "--out", str(tmp_path / "run")]
+    t0 = time.monotonic()
+    proc = run(horovodrun(4, "localhost:2,127.0.0.1:2", cmd), timeout=180)
+    took = time.monotonic() - t0
+    assert (tmp_path / "fault.pid").exists() and proc.returncode != 0
+    said = watchdog_lines(proc.stdout)
+    assert said and all(re.search(r"rank 3 died \(its process is gone\)", s) for s in said.values()), \
+        proc.stdout[-4000:]
+    assert "Process 3 exit with status code 137" in proc.stdout
+    assert took < 120, took

@@ -1,0 +1,112 @@
+"""Faults injected for real into one rank of a job: `prunex-hvd train` itself, with one hook on the faulty rank.
+
+    mpirun -np 4 python fault_worker.py --fault kill|stop|nan --rank R --round K --out DIR -- train ARGS...
+    mpirun -np 4 python fault_worker.py --fault uneven --rank R --out DIR
+
+kill  rank R sends itself SIGKILL in consensus round K, after the round's first collective (mid-round)
+stop  rank R sends itself SIGSTOP there instead (a stalled rank: its process is alive, it never arrives)
+nan   one input batch of rank R, in the local steps just before round K, is NaN: θ and the BatchNorm statistics
+      of that rank turn NaN through a real forward/backward/step, and round K meets them
+uneven  no training CLI: rank R's data shard holds one more batch, every rank steps through its shard and calls
+      consensus() at the end of the epoch (ranks at different step counts)
+
+The faulty rank writes OUT/fault.pid (its pid) before the fault, so the test can clean up a stopped process.
+"""
+import argparse
+import os
+import signal
+import sys
+
+import torch
+
+import worker_io
+
+
+def launch_rank() -> int:
+    return int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", "-1")))
+
+
+def inject(fault: str, at_round: int, out: str) -> None:
+    """Install the fault in this process (the faulty rank only)."""
+    from prunex_hvd import admm, data, hsadmm
+
+    def mark():
+        with open(os.path.join(out, "fault.pid"), "w") as f:
+            f.write(str(os.getpid()))
+
+    if fault in ("kill", "stop"):
+        state = {"round": 0}
+        round_fn, candidate = hsadmm.HSADMM._round, admm.node_candidate
+
+        def tracked_round(self, steps):
+            state["round"] = self.round + 1
+            return round_fn(self, steps)
+
+        def candidate_then_fault(*args, **kwargs):   # runs after the round's intra-node allreduce
+            if state["round"] == at_round:
+                mark()
+                sys.stdout.flush()
+                os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            return candidate(*args, **kwargs)
+        hsadmm.HSADMM._round = tracked_round
+        admm.node_candidate = candidate_then_fault
+    elif fault == "nan":
+        batches = data.ShardedLoader.batches
+        state = {"step": 0}
+
+        def poisoned(self, start=0):
+            for x, y in batches(self, start):
+                if self.train:
+                    state["step"] += 1
+                    if state["step"] == state["poison_at"]:
+                        mark()
+                        x = torch.full_like(x, float("nan"))
+                yield x, y
+        state["poison_at"] = int(os.environ["FAULT_STEP"])   # the step before round K, given by the test
+        data.ShardedLoader.batches = poisoned
+
+
+def uneven(out: str, odd_rank: int) -> None:
+    """Per-epoch consensus over shards of different lengths: every rank must refuse round 1, naming the counts."""
+    from torch import nn
+
+    import prunex_hvd as px
+    topo = px.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, sparsity="channel:0.5",
+                                  local_steps=1000, rho1=0.01, rho2=0.01)
+    batches = 5 + (topo.rank == odd_rank)
+    for _ in range(batches):
+        opt.zero_grad()
+        model(torch.randn(4, 1, 8, 8)).pow(2).mean().backward()
+        opt.step()
+    try:
+        opt.consensus()
+    except RuntimeError as exc:
+        with open(os.path.join(out, f"error.rank{topo.rank}.txt"), "w") as f:
+            f.write(f"[rank {topo.rank}] prunex_hvd error: {exc}")
+        print(f"[rank {topo.rank}] prunex_hvd error: {exc}", flush=True)
+        sys.exit(3)
+    worker_io.report(out, topo.rank, {"round": opt.rounds_done()}, 0)
+
+
+def main():
+    argv = sys.argv[1:]
+    train_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fault", required=True, choices=("kill", "stop", "nan", "uneven"))
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--round", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if a.fault == "uneven":
+        return uneven(a.out, a.rank)
+    if launch_rank() == a.rank:
+        inject(a.fault, a.round, a.out)
+    from prunex_hvd import cli
+    sys.exit(cli.main(train_args))
+
+
+if __name__ == "__main__":
+    worker_io.run(main, "fault")
