@@ -30,7 +30,8 @@ def check(proc, tmp_path, specs, mask_itemsize=1, couplings=None):
     mask_bytes = sum(shapes[n][0] + shapes[n][1] * shapes[n][2] * shapes[n][3] for n in specs) * mask_itemsize
     consensus = 4 * sum(dense_numel + sum(r * c for r, c in rr["compact"].values()) for rr in ref_rounds)
     unfrozen = sum(not rr["frozen_before"] for rr in ref_rounds)
-    residuals = ROUNDS * len(numels) * 3 * 8
+    # per-layer residual sums (float64) + each rank's round, step count, inf/NaN flag + per-layer inf/NaN flags
+    residuals = ROUNDS * (len(numels) * 3 + 4 * 3 + len(numels) + 1) * 8
     for res in results:
         rank, leader = res["rank"], res["topology"]["is_leader"]
         inter = res["ledger"]["inter"]

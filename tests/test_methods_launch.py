@@ -68,7 +68,9 @@ def test_prunex_flat_bytes_per_round(compared):
     _, _, s = compared
     params, floats = model_sizes()
     dense = 4 * (sum(params) + sum(floats))            # θ+u of every parameter and the BN statistics, one bucket
-    residuals = len(params) * 3 * 8                      # per-layer residual sums (float64) ...
+    # per-layer residual sums (float64), with each rank's round, step count and inf/NaN flag (4 ranks) and the
+    # per-layer inf/NaN flags riding along ...
+    residuals = (len(params) * 3 + 4 * 3 + len(params) + 1) * 8
     # ... summed, then broadcast down the chain 0→1→2→3 (only 1→2 crosses)
     per_round = ring_allreduce_cross(dense) + ring_allreduce_cross(residuals) + residuals
     assert s["prunex-flat"]["inter_bytes"] == s["prunex-flat"]["rounds"] * per_round
