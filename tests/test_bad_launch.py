@@ -8,9 +8,9 @@ from launching import horovodrun, mpirun, needs_horovod, needs_mpirun, python_cm
 pytestmark = pytest.mark.launch
 
 
-def assert_every_rank_says(proc, out, pattern, n=4):
+def assert_every_rank_says(proc, out, pattern, n=4, failed=True):
     """Every rank raised the error (each worker writes what it caught to out/error.rank{R}.txt)."""
-    assert proc.returncode != 0, proc.stdout[-4000:]
+    assert (proc.returncode != 0) == failed, proc.stdout[-4000:]
     said = {}
     for path in out.glob("error.rank*.txt"):
         m = re.fullmatch(r"\[rank (\d+)\] prunex_hvd error: (.*)", path.read_text(), re.S)
@@ -99,3 +99,17 @@ def test_baselines_refuse_a_different_model_on_one_rank(tmp_path, method, name):
                       ["PRUNEX_RANKS_PER_NODE=2"]), timeout=120)
     assert_every_rank_says(proc, tmp_path, rf"ranks disagree on the {name} optimizer: model differs from rank 0's "
                                            r"on rank\(s\) 2")
+
+
+@needs_mpirun
+def test_local_input_errors_on_one_rank_are_raised_on_every_rank(tmp_path):
+    """Rank 2 alone names a parameter that does not exist, puts structure on a BatchNorm weight, passes rho1=0 or
+    local_steps=0: every rank raises that error with rank 2 named (four cases in one job, in step)."""
+    cases = {"glob": r"sparsity glob 'nope\.\*' matches no parameter",
+             "nonconv": r"'1\.weight' \(shape \(8,\)\) is not a conv weight",
+             "rho0": r"rho1 must be a finite number > 0, got 0\.0",
+             "steps0": r"local_steps must be an integer >= 1, got 0"}
+    proc = run(mpirun(4, python_cmd("agree_worker.py", "--cases", ",".join(cases), "--out", str(tmp_path)),
+                      ["PRUNEX_RANKS_PER_NODE=2"]), timeout=120)
+    for case, pattern in cases.items():
+        assert_every_rank_says(proc, tmp_path / case, pattern + r".* \[on rank\(s\) 2\]", failed=False)
