@@ -171,13 +171,14 @@ class Watchdog:
         self.arrived, self.where = 0, "start-up"
         self.depth, self.deadline, self.section = 0, None, ""
         self.hub_gone: Optional[str] = None   # why rank 0's hub cannot be heard, once it cannot
+        self.hub_silent = False               # its last answer did not come in time (rank 0 stopped or hung)
         self._seq = 0
         self._buf = b""
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._fired = False
         self._fire_lock = threading.Lock()
-        self.sock = socket.create_connection(address, timeout=10)
+        self.sock = socket.create_connection(address, timeout=5)
         self.sock.settimeout(max(1.0, 2 * self.interval))
         self.thread = threading.Thread(target=self._loop, name="prunex-watchdog", daemon=True)
         self.thread.start()
@@ -251,8 +252,10 @@ class Watchdog:
                         self._stopped.set()
                         return None
                     if reply.get("seq") == seq:   # an older answer that came late is skipped
+                        self.hub_silent = False
                         return reply
             except socket.timeout:
+                self.hub_silent = True
                 return None
             except OSError as exc:
                 self.hub_gone = f"rank 0 cannot be reached ({exc})"
@@ -265,7 +268,7 @@ class Watchdog:
                 return
             self._fired = True
         if not relayed:
-            answer = self._ask("query")   # every rank's state, as the hub has it
+            answer = None if self.hub_silent else self._ask("query")   # every rank's state, as the hub has it
             if answer is not None and answer.get("stop") and answer["stop"]["rank"] != self.rank:
                 s = answer["stop"]   # another rank was first: say what it said
                 why = f"stopping with rank {s['rank']}, which reports: {s['why']}"
@@ -321,6 +324,24 @@ class Watchdog:
             self.hub.close()
 
 
+def _host_addresses() -> List[str]:
+    """This host's IPv4 addresses, one per interface, loopback last (Linux; elsewhere none)."""
+    try:
+        import fcntl
+        import struct
+    except ImportError:
+        return []
+    found = []
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:   # SIOCGIFADDR
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+                found.append(socket.inet_ntoa(raw[20:24]))
+            except OSError:
+                continue
+    return sorted(found, key=lambda a: a.startswith("127."))
+
+
 def _ranks(ranks: List[int]) -> str:
     return ",".join(map(str, ranks))
 
@@ -344,13 +365,18 @@ def start(control, rank: int, size: int, timeout: Optional[float] = None) -> Opt
     if size < 2 or seconds == 0:
         return None
     hub = _Hub(size) if rank == 0 else None
-    address = control.broadcast_object((reachable_address(), hub.port) if hub else None, root=0)
-    wd = None
-    try:
-        wd = Watchdog(rank, size, seconds, address, hub)
-    except OSError as exc:
-        error = (f"cannot reach rank 0's watchdog at {address[0]}:{address[1]} ({exc}); set PRUNEX_MASTER_ADDR "
-                 f"to an address of rank 0's host that every rank can reach, or {ENV_TIMEOUT}=0 to go without")
+    hosts, port = control.broadcast_object(
+        (list(dict.fromkeys([reachable_address()] + _host_addresses())), hub.port) if hub else None, root=0)
+    wd, tried = None, []
+    for host in hosts:   # the first of rank 0's addresses this rank can reach (hosts may be namespaces apart)
+        try:
+            wd = Watchdog(rank, size, seconds, (host, port), hub)
+            break
+        except OSError as exc:
+            tried.append(f"{host}: {exc}")
+    if wd is None:
+        error = (f"cannot reach rank 0's watchdog on port {port} ({'; '.join(tried)}); set PRUNEX_MASTER_ADDR to "
+                 f"an address of rank 0's host that every rank can reach, or {ENV_TIMEOUT}=0 to go without")
     try:
         control.agree(error, RuntimeError)
     except RuntimeError:

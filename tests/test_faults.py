@@ -44,6 +44,16 @@ def cleanup(out):
             pass
 
 
+def since_fault(out):
+    """Seconds from the fault (the faulty rank wrote fault.pid just before it) to now."""
+    return time.time() - (out / "fault.pid").stat().st_mtime
+
+
+# Slack on top of the timeout for the watchdog's own steps (a heartbeat, a query, a grace for the others to
+# hear) and the launcher's teardown, on a loaded 2-core host
+SLACK_S = 45
+
+
 def watchdog_lines(stdout):
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"\[rank (\d+)\] prunex_hvd watchdog: (.*)", stdout)}
 
@@ -73,13 +83,13 @@ def test_nan_then_kill_then_resume_ends_bit_for_bit_like_the_uninterrupted_run(f
     assert proc.stdout.count("cannot resume from") == 4, proc.stdout[-4000:]
     assert proc.stdout.count("rank00002.pt is corrupt: its SHA-256 differs") == 4
 
-    t0 = time.monotonic()
     proc = train(out, "--resume", "--timeout", str(TIMEOUT_S), cmd=fault_cmd(tmp_path, "kill", 3, 6))
-    took = time.monotonic() - t0
-    assert proc.returncode != 0 and (tmp_path / "fault.pid").exists()
+    took = since_fault(tmp_path)
+    assert proc.returncode != 0
     assert re.search(r"rank 3 died \(its process is gone\)|process rank 3 with PID \d+ .*exited on signal 9",
                      proc.stdout), proc.stdout[-4000:]
-    assert took < 120, took
+    assert took < SLACK_S, took                        # a death needs no timeout to be seen
+    print(f"mpirun, rank 3 killed mid-round: the job ended {took:.1f} s after the kill")
     assert manifest_tag(out) == 35                     # round 5's checkpoint; round 6 was never completed
 
     proc = train(out, "--resume")
@@ -104,12 +114,11 @@ def test_ranks_at_different_step_counts_are_refused_in_the_round(tmp_path):
 def stalled_job(tmp_path, launcher, rank):
     cmd = fault_cmd(tmp_path, "stop", rank, 2) + ["train", *SMALL, "--out", str(tmp_path / "run")]
     full = mpirun(4, cmd, NODES2) if launcher == "mpirun" else horovodrun(4, "localhost:2,127.0.0.1:2", cmd)
-    t0 = time.monotonic()
     try:
-        proc = run(full, timeout=180)
+        proc = run(full, timeout=240)
+        return proc, since_fault(tmp_path)
     finally:
         cleanup(tmp_path)
-    return proc, time.monotonic() - t0
 
 
 @pytest.mark.parametrize("launcher,rank", [("mpirun", 3), pytest.param("horovodrun", 0, marks=needs_horovod)])
@@ -117,7 +126,7 @@ def test_a_stalled_rank_is_named_by_every_other_rank(tmp_path, launcher, rank):
     """Rank R stops (SIGSTOP) in the middle of round 2: its process lives on, the launcher sees nothing. Every
     other rank's watchdog stops the job after the timeout, naming it (rank 0 stalled: its hub is silent)."""
     proc, took = stalled_job(tmp_path, launcher, rank)
-    assert (tmp_path / "fault.pid").exists() and proc.returncode != 0
+    assert proc.returncode != 0
     said = watchdog_lines(proc.stdout)
     others = set(range(4)) - {rank}
     assert others <= set(said), proc.stdout[-4000:]
@@ -130,7 +139,8 @@ def test_a_stalled_rank_is_named_by_every_other_rank(tmp_path, launcher, rank):
                              for r in others - {first[0]}), said
         assert re.search(r"consensus round 2 did not complete within 20 s; .*rank 3 is silent for \d+ s "
                          r"\(stopped or hung\)", said[first[0]]), said
-    assert took < 150, took
+    assert TIMEOUT_S / 2 < took < TIMEOUT_S + SLACK_S, took   # it waited for the timeout, not much longer
+    print(f"{launcher}, rank {rank} stopped mid-round: the job ended {took:.1f} s after the stop")
 
 
 @needs_horovod
@@ -138,12 +148,12 @@ def test_a_killed_rank_under_horovodrun_is_named(tmp_path):
     """Rank 3 killed (SIGKILL) in the middle of round 2 under horovodrun --gloo (torch gloo groups): the
     others' collectives fail, the watchdog names the dead rank, the job ends within seconds."""
     cmd = fault_cmd(tmp_path, "kill", 3, 2) + ["train", *SMALL, "--out", str(tmp_path / "run")]
-    t0 = time.monotonic()
-    proc = run(horovodrun(4, "localhost:2,127.0.0.1:2", cmd), timeout=180)
-    took = time.monotonic() - t0
-    assert (tmp_path / "fault.pid").exists() and proc.returncode != 0
+    proc = run(horovodrun(4, "localhost:2,127.0.0.1:2", cmd), timeout=240)
+    took = since_fault(tmp_path)
+    assert proc.returncode != 0
     said = watchdog_lines(proc.stdout)
     assert said and all(re.search(r"rank 3 died \(its process is gone\)", s) for s in said.values()), \
         proc.stdout[-4000:]
     assert "Process 3 exit with status code 137" in proc.stdout
-    assert took < 120, took
+    assert took < SLACK_S, took
+    print(f"horovodrun, rank 3 killed mid-round: the job ended {took:.1f} s after the kill")
