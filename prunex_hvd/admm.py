@@ -64,8 +64,10 @@ def rescale_dual(dual: torch.Tensor, rho_old: float, rho_new: float) -> torch.Te
     return dual
 
 
-def sq_norm(t: torch.Tensor) -> float:
-    return float(t.double().pow(2).sum())
+def sq_norm(t: torch.Tensor) -> torch.Tensor:
+    """‖t‖² in float64, as a 0-dim tensor on ``t``'s device. Nothing waits for it: on a GPU a round reads all of
+    its residual norms at once (one host sync per round, not four per layer)."""
+    return torch.linalg.vector_norm(t, dtype=torch.float64).square()
 
 
 def residual_norms(r_intra_sq: float, s_intra_sq: float, r_inter_sq: float, s_inter_sq: float

@@ -231,8 +231,9 @@ class HSADMM:
 
         # recover z, 7. residuals; their job-wide sum also carries every rank's round, step count and inf/NaN
         # flags (no extra collective), so every rank takes the same verdict before any state is updated
-        local_sq = torch.zeros(n, 3, dtype=torch.float64)
-        s_inter_sq, z_new = [], []
+        local_sq = torch.zeros(n, 3, dtype=torch.float64, device=self.device)   # on the device: no sync per layer
+        s_inter_sq = torch.zeros(n, dtype=torch.float64, device=self.device)
+        z_new = []
         for k, e in enumerate(self.entries):
             if k in self._gathers:   # one gather of whole chunks from the bucket (see _compact_layout)
                 z_new.append(sparsity.recover_gather(*self._gathers[k], e.z.shape))
@@ -244,11 +245,13 @@ class HSADMM:
             if topo.is_leader:   # node-level terms: once per node
                 local_sq[k, 1] = admm.sq_norm(z_i_new[k] - e.z_i) * e.rho1 ** 2
                 local_sq[k, 2] = admm.sq_norm(z_i_new[k] - z_new[k])
-            s_inter_sq.append(admm.sq_norm(z_new[k] - e.z) * e.rho2 ** 2)
+            s_inter_sq[k] = admm.sq_norm(z_new[k] - e.z) * e.rho2 ** 2
         who = torch.zeros(topo.size, 3, dtype=torch.float64)   # one row per rank: summing fills every row
         who[topo.rank] = torch.tensor([self.round + 1, -1 if steps is None else steps, float(any(nonfinite))])
         where = torch.tensor(nonfinite, dtype=torch.float64)    # per entry, then the float buffers
-        summed = self._sum_over_job(torch.cat([local_sq.reshape(-1), who.reshape(-1), where]))
+        summed = self._sum_over_job(torch.cat([local_sq.reshape(-1), who.reshape(-1).to(self.device),
+                                               where.to(self.device)]))
+        s_inter_sq = s_inter_sq.tolist()   # from the global z: the same on every rank, read once
         totals = summed[:3 * n].view(n, 3)
         try:
             self._check_round(summed[3 * n: 3 * n + 3 * topo.size].view(-1, 3), summed[3 * n + 3 * topo.size:],
