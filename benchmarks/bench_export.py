@@ -9,9 +9,8 @@ Without ``--run`` the conv weights of a freshly built model are projected exactl
 
 * ``per-layer``: ``sparsity.project`` on each conv (``coupled=False``);
 * ``coupled``: ``sparsity.coupled_project`` along ``dependencies.channel_couplings`` (``coupled=True``);
-* ``stream``: not an engine option: every conv reading one feature map (a whole residual stream included)
-  shares one channel mask, ranked by the joint norm over all of them (Torch-Pruning's groups). It measures
-  what dependency-aware masks on residual streams would add to what export can remove.
+* ``streams``: the same and ``dependencies.channel_streams`` (``coupled="streams"``): every conv reading or
+  writing one residual stream shares one channel set, ranked by the joint norm over all of them.
 
 The shapes that survive depend on the masks only (how many channels each layer keeps is fixed by the spec);
 which channels of a residual stream happen to line up across its readers depends on the weights, so a
@@ -32,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchjson import emit  # noqa: E402
 
 from prunex_hvd import export, models, sparsity  # noqa: E402
-from prunex_hvd.dependencies import channel_couplings  # noqa: E402
+from prunex_hvd.dependencies import channel_couplings, channel_streams  # noqa: E402
 
 
 def trained_like(model: nn.Module, seed: int) -> nn.Module:
@@ -48,57 +47,18 @@ def trained_like(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
-def stream_masks(model: nn.Module, keep: float, example: torch.Tensor) -> dict:
-    """``{conv weight name: projected weight}``: one channel mask per feature map, shared by all its conv
-    readers (and the filters of its conv writers, unless a linear reads the map too); per-layer elsewhere."""
-    import torch_pruning as tp
-
-    names = {m: n for n, m in model.named_modules()}
-    with torch.enable_grad():
-        DG = tp.DependencyGraph().build_dependency(model, example_inputs=example, verbose=False)
-    out = {}
-    for group in DG.get_all_groups(root_module_types=(nn.Conv2d,)):
-        readers, writers, dense_reader = [], [], False
-        for item in group:
-            m = item.dep.target.module
-            if isinstance(m, nn.Linear):
-                dense_reader = True
-            if isinstance(m, nn.Conv2d) and m.groups == 1 and list(item.idxs) == list(item.root_idxs):
-                (writers if DG.is_out_channel_pruning_fn(item.dep.handler) else readers).append(m)
-        if not readers:
-            continue
-        n = readers[0].in_channels
-        score = sum(sparsity.square_f32(m.weight).sum((0, 2, 3)) for m in readers)
-        if not dense_reader:
-            score = score + sum(sparsity.square_f32(m.weight).flatten(1).sum(1) for m in writers)
-        kept = torch.zeros(n, dtype=torch.bool)
-        kept[torch.sort(score, descending=True, stable=True).indices[:sparsity.keep_count(keep, n)]] = True
-        for m in readers:
-            out[names[m]] = m.weight.detach() * kept.view(1, -1, 1, 1)
-        if not dense_reader:
-            for m in writers:
-                w = out.get(names[m], m.weight.detach())
-                out[names[m]] = w * kept.view(-1, 1, 1, 1)
-    for name, m in model.named_modules():   # convs reading the model input: per layer, as the engine does
-        if isinstance(m, nn.Conv2d) and name not in out:
-            out[name] = sparsity.project(m.weight.detach(), f"channel:{keep}")
-    return {f"{k}.weight": v for k, v in out.items()}
-
-
-def masked_model(name: str, spec: str, mode: str, size: int, seed: int) -> nn.Module:
+def masked_model(name: str, spec: str, mode: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = trained_like(models.build(name), seed).eval()
     ws = {n: p for n, p in model.named_parameters() if p.dim() == 4}
     specs = {n: sparsity.parse_spec(spec) for n in ws}
     if mode == "per-layer":
         new = {n: sparsity.project(w, specs[n]) for n, w in ws.items()}
-    elif mode == "coupled":
-        new = sparsity.coupled_project(ws, specs, channel_couplings(model))
+    elif mode in ("coupled", "streams"):
+        new = sparsity.coupled_project(ws, specs, channel_couplings(model),
+                                       channel_streams(model) if mode == "streams" else ())
     else:
-        parts = sparsity.parse_spec(spec).parts
-        if [k for k, _ in parts] != ["channel"]:
-            raise ValueError(f"the stream mode takes a channel spec only, got {spec!r}")
-        new = stream_masks(model, parts[0][1], torch.randn(2, 3, size, size))
+        raise ValueError(f"unknown mode {mode!r}: per-layer, coupled or streams")
     with torch.no_grad():
         for n, w in new.items():
             ws[n].copy_(w)
@@ -121,7 +81,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="resnet18")
     ap.add_argument("--spec", default="channel:0.5")
-    ap.add_argument("--modes", default="per-layer,coupled,stream")
+    ap.add_argument("--modes", default="per-layer,coupled,streams")
     ap.add_argument("--run", default=None, help="a trained run folder: export its final model instead")
     ap.add_argument("--image-size", type=int, default=32)
     ap.add_argument("--batch-sizes", default="1,64")
@@ -139,7 +99,7 @@ def main(argv=None) -> int:
         variants = {"run": masked}
     else:
         shape = (3, args.image_size, args.image_size)
-        variants = {mode: masked_model(args.model, args.spec, mode, args.image_size, args.seed)
+        variants = {mode: masked_model(args.model, args.spec, mode, args.seed)
                     for mode in args.modes.split(",")}
     gen = torch.Generator().manual_seed(args.seed)
     calib = torch.randn((32, *shape), generator=gen)

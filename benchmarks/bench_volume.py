@@ -6,8 +6,8 @@
 
 For each model it launches itself under mpirun (4 ranks = 2 emulated nodes x 2, PRUNEX_RANKS_PER_NODE=2; one
 launch per model, so each model's memory is returned before the next) and trains it for real with
-``px.DistributedOptimizer`` (channel:0.5, coupled unless ``--no-coupled``, ``--local-steps`` SGD steps per
-round) on the ``synthetic`` dataset:
+``px.DistributedOptimizer`` (channel:0.5, coupled unless ``--no-coupled``; ``--coupled-streams``: residual streams
+coupled too; ``--local-steps`` SGD steps per round) on the ``synthetic`` dataset:
 
 * measured: the engine's own per-round bytes (``opt.stats()`` differences: the compact consensus exchange on the
   leaders' group, its dense counterfactual, and everything that crossed a node boundary: masks and residual
@@ -16,7 +16,8 @@ round) on the ``synthetic`` dataset:
 * sweep: every rank keeps its node's exact candidate z~_i of the last unfrozen round (the tensor the engine
   projected: captured by wrapping ``prunex_hvd.admm.node_candidate``, whose result is passed on unchanged). For
   every kind (filter, channel, channel-coupled = channel with the producing filters of dropped channels
-  dropped too, composite = filter+channel at the same keep) and keep, each node's masks are
+  dropped too, channel-streams = channel-coupled and one channel set per residual stream, composite =
+  filter+channel at the same keep) and keep, each node's masks are
   ``sparsity.coupled_masks`` of its candidate, OR'd over the two nodes as the engine does, and the compact
   count Sum|rows|.|cols| + dense parameters + float buffers is set against the dense count. "frozen" is the
   count of one node's masks alone: what a round sends once the masks are frozen (exactly the requested
@@ -38,14 +39,14 @@ import time
 import benchjson  # benchmarks/ is the script's own folder, first on sys.path
 
 HERE = os.path.abspath(__file__)
-KINDS = ("filter", "channel", "channel-coupled", "composite")
+KINDS = ("filter", "channel", "channel-coupled", "channel-streams", "composite")
 TARGET = 0.40   # paper, Sec. 5.3.1 / Fig. 6: the compact message "stabilizing at approximately 40%" of dense
 
 
 def spec_of(kind: str, keep: float) -> str:
     if kind == "composite":
         return f"filter:{keep}+channel:{keep}"
-    return f"channel:{keep}" if kind == "channel-coupled" else f"{kind}:{keep}"
+    return f"channel:{keep}" if kind.startswith("channel") else f"{kind}:{keep}"
 
 
 # ------------------------------------------------------------------------------------------------- worker
@@ -79,6 +80,7 @@ def worker(a) -> None:
                                   rho1=a.rho1, rho2=a.rho2, freeze_round=freeze_round, freeze_patience=10**6,
                                   coupled=a.coupled)
     couplings = dependencies.channel_couplings(model)
+    streams = dependencies.channel_streams(model)
 
     # The node candidate z~_i of each round, in entry (= named_parameters) order; kept for the last unfrozen
     # round. Every rank of a node computes the same candidate (the intra sum is an allreduce).
@@ -144,7 +146,8 @@ def worker(a) -> None:
             continue
         spec = sparsity.parse_spec(spec_of(kind, keep))
         masks = sparsity.coupled_masks(cand, {n: spec for n in structured},
-                                       couplings if kind == "channel-coupled" else {})
+                                       couplings if kind in ("channel-coupled", "channel-streams") else {},
+                                       streams if kind == "channel-streams" else ())
         packed = [(np.packbits(masks[n][0].numpy()), np.packbits(masks[n][1].numpy())) for n in structured]
         mine[(kind, keep)] = packed
     captured = cand = None
@@ -194,7 +197,7 @@ def worker(a) -> None:
     itemsize = 4
     unfrozen = [r for r in rounds if not r["masks_frozen"]]
     frozen_rounds = [r for r in rounds if r["masks_frozen"]]
-    engine_kind = "channel-coupled" if a.coupled else "channel"
+    engine_kind = {False: "channel", True: "channel-coupled", "streams": "channel-streams"}[a.coupled]
     check = {"spec": "channel:0.5", "coupled": a.coupled}
     if ((engine_kind, 0.5) in counts) and unfrozen:
         last = unfrozen[-1]
@@ -258,7 +261,9 @@ def worker(a) -> None:
            "train": {"ranks": topo.size, "nodes": topo.num_nodes, "launcher": topo.launcher,
                      "dataset": f"synthetic {a.image_size}x{a.image_size}", "batch_size": a.batch_size,
                      "local_steps": a.local_steps, "rounds": a.rounds, "freeze_round": freeze_round,
-                     "sparsity": "channel:0.5", "coupled": a.coupled, "coupled_pairs": len(couplings), "lr": a.lr, "rho1": a.rho1, "rho2": a.rho2,
+                     "sparsity": "channel:0.5", "coupled": a.coupled, "coupled_pairs": len(couplings),
+                     "coupled_streams": len(streams) if a.coupled == "streams" else 0,
+                     "lr": a.lr, "rho1": a.rho1, "rho2": a.rho2,
                      "threads_per_rank": threads, "train_seconds": round(train_seconds, 1),
                      "sweep_seconds": round(sweep_seconds, 1),
                      "candidate_round": check.get("round")},
@@ -283,8 +288,11 @@ def main():
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--rho1", type=float, default=0.01, help="the CLI's default (the paper's 1.5e-3 needs ~60 rounds)")
     ap.add_argument("--rho2", type=float, default=0.01)
-    ap.add_argument("--no-coupled", dest="coupled", action="store_false",
-                    help="run the engine with per-layer channel pruning (the sweep shows both either way)")
+    c = ap.add_mutually_exclusive_group()
+    c.add_argument("--no-coupled", dest="coupled", action="store_false",
+                   help="run the engine with per-layer channel pruning (the sweep shows every kind either way)")
+    c.add_argument("--coupled-streams", dest="coupled", action="store_const", const="streams",
+                   help="run the engine with coupled='streams': residual streams coupled as well as pairs")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per model launch")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true")
@@ -308,7 +316,8 @@ def main():
                "--worker", "--model", model, "--rounds", str(a.rounds), "--local-steps", str(a.local_steps),
                "--batch-size", str(a.batch_size), "--image-size", str(a.image_size),
                "--freeze-round", str(a.freeze_round), "--keeps", ",".join(map(str, a.keeps)),
-               "--lr", str(a.lr), "--rho1", str(a.rho1), "--rho2", str(a.rho2)] + ([] if a.coupled else ["--no-coupled"])
+               "--lr", str(a.lr), "--rho1", str(a.rho1), "--rho2", str(a.rho2)] + \
+            {False: ["--no-coupled"], True: [], "streams": ["--coupled-streams"]}[a.coupled]
         t_model = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("BENCH_JSON ")), None)
@@ -321,7 +330,8 @@ def main():
 
     doc = {"benchmark": "volume",
            "setup": "4 ranks = 2 emulated nodes x 2 under mpirun; real px.DistributedOptimizer training, channel:0.5"
-                    + (" coupled (a conv's dropped input channels drop their producer's filters)" if a.coupled else ""),
+                    + {False: "", True: " coupled (a conv's dropped input channels drop their producer's filters)",
+                       "streams": " coupled, residual streams too (coupled='streams')"}[a.coupled],
            "target": f"<= {TARGET:.2f}x dense at keep 0.5 (paper, Sec. 5.3.1 / Fig. 6: the compact message "
                      f"stabilises at ~40% of dense, a ~60% cut)",
            "reading": "sweep ratios are compact/dense elements of one consensus message per leader; 'or' = the "
@@ -329,7 +339,8 @@ def main():
                       "while masks move), 'frozen' = exactly the requested structure (what every round sends "
                       "once masks are frozen). Channel or filter keep 0.5 keeps half of every conv plus the "
                       "dense BN/FC/buffers, so ~0.5x is the floor for them; channel-coupled also drops the filters "
-                      "that produce dropped channels (inside residual blocks); composite keeps ~a quarter.",
+                      "that produce dropped channels (inside residual blocks), channel-streams also the filters "
+                      "writing into a residual stream; composite keeps ~a quarter.",
            "models": results, "wall_s": round(time.perf_counter() - t0, 1),
            "host": {"cpus": os.cpu_count(), "load_avg_at_end": [round(x, 1) for x in os.getloadavg()]}}
     benchjson.emit(doc, a.out)

@@ -38,11 +38,12 @@ def volume(d: dict, out: str, md: List[str]) -> List[str]:
                      label=f"{name} PruneX")
         axes[0].plot([r["round"] for r in rounds], [r["dense_MiB_per_leader"] for r in rounds], "--", alpha=0.5,
                      label=f"{name} dense")
-        for kind, style in (("channel", "-"), ("channel-coupled", "--"), ("filter", ":"), ("composite", "-.")):
+        for kind, style in (("channel", "-"), ("channel-coupled", "--"), ("channel-streams", (0, (5, 1))),
+                            ("filter", ":"), ("composite", "-.")):
             if kind not in m["sweep"]:
                 continue
             keeps = sorted(m["sweep"][kind], key=float)
-            axes[1].plot([float(k) for k in keeps], [m["sweep"][kind][k]["or"] for k in keeps], style, marker="o",
+            axes[1].plot([float(k) for k in keeps], [m["sweep"][kind][k]["or"] for k in keeps], ls=style, marker="o",
                          label=f"{name} {kind}")
     axes[0].set(title="Message per leader per round (Fig. 6a)", xlabel="consensus round", ylabel="MiB")
     axes[1].axhline(0.40, color="k", lw=0.8, ls="--")
@@ -52,10 +53,12 @@ def volume(d: dict, out: str, md: List[str]) -> List[str]:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
-    kinds = [k for k in ("filter", "channel", "channel-coupled", "composite")
+    kinds = [k for k in ("filter", "channel", "channel-coupled", "channel-streams", "composite")
              if all(k in m["sweep"] for m in models.values())]
+    setup = d.get("setup", "")
+    coupling = " coupled streams" if "streams" in setup else " coupled" if "coupled" in setup else ""
     md += ["## Inter-node volume (bench_volume)", "",
-           f"| model | dense MiB/round | engine run total (channel 0.5{' coupled' if 'coupled' in d.get('setup', '') else ''}) | "
+           f"| model | dense MiB/round | engine run total (channel 0.5{coupling}) | "
            f"keep 0.5 frozen: {' / '.join(kinds)} |", "|---|---:|---:|---|"]
     for name, m in models.items():
         sw = m["sweep"]

@@ -203,9 +203,13 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--freeze-patience", type=int, default=D.freeze_patience)
     g.add_argument("--no-masked-retrain", dest="masked_retrain", action="store_false",
                    help="after freezing, let θ leave the frozen structure (only z is masked)")
-    g.add_argument("--coupled", action="store_true",
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--coupled", action="store_true",
                    help="channel pruning with dependencies: a conv's dropped input channels also drop the filters "
                         "(and BN channels) that produce them and nothing else reads; less traffic, smaller model")
+    c.add_argument("--coupled-streams", dest="coupled", action="store_const", const="streams",
+                   help="--coupled, and every residual stream one channel group: all convs reading and writing it "
+                        "drop the same channels (readers' channel:K), so export removes all of them")
     g.add_argument("--bucket-mb", type=float, default=D.bucket_mb)
     g = p.add_argument_group("baselines (--method dense | topk | pactrain | prunex-flat)")
     g.add_argument("--topk-ratio", type=float, default=D.topk_ratio, help="topk: fraction of each layer sent")

@@ -8,12 +8,17 @@ calls this a dependency group; here only the simple, common case is found, by wa
 * the consumer and the producer are ``nn.Conv2d`` with ``groups=1``;
 * between them lie only channel-wise modules or functions (BatchNorm, activations, dropout, identity);
 * every value on the way, the producer's output included, has exactly one user. A residual stream (read by
-  an add as well) is never coupled, so a ResNet's shortcut and block outputs keep their channels.
+  an add as well) is never a pair.
+
+:func:`channel_streams` finds the residual streams (``coupled="streams"``): the values joined by adds, and
+everything channel-wise on them, carry one channel space. Every conv writing into it (the stem, each block's
+last conv, a projection shortcut) and every conv reading it (block first convs, shortcut convs) must agree on
+channel ``c`` for export to remove it, so they form one group per stream.
 """
 from __future__ import annotations
 
 import operator
-from typing import Dict
+from typing import Dict, List, NamedTuple, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +29,21 @@ _CHANNELWISE_MODULES = (nn.BatchNorm2d, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.SiLU
 _CHANNELWISE_FUNCTIONS = {F.relu, F.relu6, F.leaky_relu, F.silu, F.gelu, F.hardswish, F.elu, F.mish,
                           torch.relu, torch.relu_, torch.sigmoid, torch.tanh, F.dropout, operator.pos}
 _CHANNELWISE_METHODS = {"relu", "relu_", "sigmoid", "tanh"}
+# on a stream, pooling maps channel c to channel c too (a stem's max-pool sits between it and layer1)
+_POOLING_MODULES = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+_POOLING_FUNCTIONS = {F.max_pool2d, F.avg_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d}
+_ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
+_ADD_METHODS = {"add", "add_"}
 
 
-def channel_couplings(model: nn.Module) -> Dict[str, str]:
-    """``{consumer conv weight name: producer conv weight name}`` for every conv whose input channels come
-    from one other conv and go nowhere else. Raises ``ValueError`` when ``torch.fx`` cannot trace the model
-    (data-dependent control flow): coupling is then not available for it."""
+class Stream(NamedTuple):
+    """One residual stream's channel group: conv weight names that read it (input channel ``c``) and that
+    write into it (filter ``c``), each sorted."""
+    readers: Tuple[str, ...]
+    writers: Tuple[str, ...]
+
+
+def _trace(model: nn.Module):
     try:
         graph = torch.fx.symbolic_trace(model).graph
     except Exception as e:   # fx raises many types (TraceError, TypeError, NotImplementedError...)
@@ -41,13 +55,22 @@ def channel_couplings(model: nn.Module) -> Dict[str, str]:
         m = modules.get(node.target) if node.op == "call_module" else None
         return m if isinstance(m, nn.Conv2d) and m.groups == 1 else None
 
-    def channelwise(node) -> bool:
+    def channelwise(node, pooling=False) -> bool:
         if node.op == "call_module":
-            return isinstance(modules.get(node.target), _CHANNELWISE_MODULES)
+            kinds = _CHANNELWISE_MODULES + (_POOLING_MODULES if pooling else ())
+            return isinstance(modules.get(node.target), kinds)
         if node.op == "call_function":
-            return node.target in _CHANNELWISE_FUNCTIONS
+            return node.target in _CHANNELWISE_FUNCTIONS or (pooling and node.target in _POOLING_FUNCTIONS)
         return node.op == "call_method" and node.target in _CHANNELWISE_METHODS
 
+    return graph, conv, channelwise
+
+
+def channel_couplings(model: nn.Module) -> Dict[str, str]:
+    """``{consumer conv weight name: producer conv weight name}`` for every conv whose input channels come
+    from one other conv and go nowhere else. Raises ``ValueError`` when ``torch.fx`` cannot trace the model
+    (data-dependent control flow): coupling is then not available for it."""
+    graph, conv, channelwise = _trace(model)
     pairs: Dict[str, str] = {}
     for node in graph.nodes:
         consumer = conv(node)
@@ -60,3 +83,60 @@ def channel_couplings(model: nn.Module) -> Dict[str, str]:
         if producer is not None and len(x.users) == 1 and producer.out_channels == consumer.in_channels:
             pairs[f"{node.target}.weight"] = f"{x.target}.weight"
     return pairs
+
+
+def channel_streams(model: nn.Module) -> List[Stream]:
+    """The residual streams whose readers and writers are all plain convs: one :class:`Stream` each. A feature
+    map without an add but read by several convs (a bottleneck stage's input, read by its first conv and its
+    projection shortcut) counts too.
+
+    Union-find over the ``torch.fx`` trace: an add joins its output and every tensor it adds; a channel-wise
+    op (BatchNorm, activations, pooling) joins its output and input. A class holding an add is a stream. Its
+    writers are the nodes whose output enters it from outside, its readers the nodes outside that use a value
+    of it. A stream is skipped (its convs keep per-layer masks) when any writer or reader is not a
+    ``groups=1`` ``nn.Conv2d`` taking it as input (the model input, a linear head behind pooling, a grouped
+    conv, a concat...), when the channel counts do not match, or when a conv module is called more than once
+    in the model. Raises ``ValueError`` when ``torch.fx`` cannot trace the model."""
+    graph, conv, channelwise = _trace(model)
+    parent: Dict = {}
+
+    def find(n):
+        while parent.setdefault(n, n) is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    def is_add(node) -> bool:
+        return (node.op == "call_function" and node.target in _ADD_FUNCTIONS) or \
+            (node.op == "call_method" and node.target in _ADD_METHODS)
+
+    calls: Dict[str, int] = {}
+    for node in graph.nodes:
+        if conv(node) is not None:
+            calls[node.target] = calls.get(node.target, 0) + 1
+        joined = [a for a in node.args if isinstance(a, torch.fx.Node)] if is_add(node) else \
+            node.args[:1] if channelwise(node, pooling=True) and node.args and \
+            isinstance(node.args[0], torch.fx.Node) else []
+        for a in joined:
+            parent[find(a)] = find(node)
+    classes: Dict = {}
+    for node in graph.nodes:
+        if node in parent:
+            classes.setdefault(find(node), []).append(node)
+
+    streams = []
+    for members in classes.values():
+        inside = set(members)
+        writers = [n for n in members if not is_add(n) and not (channelwise(n, pooling=True) and n.args
+                                                                and n.args[0] in inside)]
+        readers = {u for n in members for u in n.users if u not in inside}
+        if not any(is_add(n) for n in members) and len(readers) < 2:
+            continue   # a plain chain: one of channel_couplings' pairs, or nothing to share
+        if not all(conv(n) is not None and calls[n.target] == 1 for n in writers) or \
+                not all(conv(u) is not None and calls[u.target] == 1 and u.args[0] in inside for u in readers):
+            continue
+        sizes = {conv(n).out_channels for n in writers} | {conv(u).in_channels for u in readers}
+        if readers and len(sizes) == 1:
+            streams.append(Stream(tuple(sorted(f"{u.target}.weight" for u in readers)),
+                                  tuple(sorted(f"{n.target}.weight" for n in writers))))
+    return sorted(streams)

@@ -74,9 +74,10 @@ class HSADMM:
     def __init__(self, model: torch.nn.Module, topo, groups, specs: Dict[str, sparsity.StructureSpec],
                  rho1: float, rho2: float, rho_max: float, adaptive_rho: bool, weight_decay_z: float,
                  freeze_round: Optional[int], freeze_patience: int, bucket_mb: float, ledger=None,
-                 masked_retrain: bool = True, couplings: Optional[Dict[str, str]] = None):
+                 masked_retrain: bool = True, couplings: Optional[Dict[str, str]] = None, streams=None):
         self.topo, self.groups = topo, groups
         self.couplings = dict(couplings or {})   # {consumer conv: producer conv}, pruned as one channel group
+        self.streams = list(streams or ())       # [(readers, writers)]: one channel group per residual stream
         self.masked_retrain = masked_retrain
         self.rho_max, self.adaptive_rho = rho_max, adaptive_rho
         self.weight_decay_z = weight_decay_z
@@ -351,8 +352,9 @@ class HSADMM:
 
     def _masks(self, weights: Dict[str, torch.Tensor]) -> List[tuple]:
         """Π_S's support for every structured entry (in ``self.structured`` order), coupled channel groups
-        pruned together."""
-        masks = sparsity.coupled_masks(weights, {e.name: e.spec for e in self.structured}, self.couplings)
+        (pairs, residual streams) pruned together."""
+        masks = sparsity.coupled_masks(weights, {e.name: e.spec for e in self.structured}, self.couplings,
+                                       self.streams)
         return [masks[e.name] for e in self.structured]
 
     def _sync_masks(self, local) -> None:

@@ -30,7 +30,11 @@ Tuning (what each knob does to speed and accuracy):
   output through BatchNorm/activations only, B's input channel c and A's filter c are pruned together,
   ranked by their joint norm. ``channel:0.5`` then also halves A's filters: inter-node traffic falls from
   ~0.50× to ~0.3–0.4× of dense on ResNets, and the final model is that much smaller, at some accuracy
-  (A is pruned on both sides). Residual streams are never coupled. Needs a ``torch.fx``-traceable model.
+  (A is pruned on both sides). ``coupled="streams"`` also makes each residual stream one group: every conv
+  reading it (input channel c) and writing into it (filter c) shares one channel set, keep ratio from the
+  readers' ``channel:K`` (they must agree), so export can remove the whole pruned fraction. A stream with a
+  reader or writer other than a plain conv (``groups=1``), e.g. the last one read by the linear head, keeps
+  per-layer masks. Needs a ``torch.fx``-traceable model.
 * ``weight_decay_z`` — λ of the z-step (a ridge on the consensus itself); 0 leaves decay to the optimizer.
 * ``bucket_mb`` — size of the flat buffers packed for each collective (one collective per bucket).
 * ``hierarchical=False`` — the paper's "PruneX (AR)" ablation: one flat consensus over the world group
@@ -41,21 +45,24 @@ from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from . import agreement, dependencies, runtime
-from .sparsity import resolve_specs   # the factory's `sparsity` argument shadows the module name
+from .sparsity import resolve_specs, stream_keep   # the factory's `sparsity` argument shadows the module name
 from .comm import groups as comm_groups
 from .comm.base import Groups, SingleCommunicator
 from .hsadmm import HSADMM
 
 
+COUPLING_MODES = (False, True, "pairs", "streams")
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the user's optimizer class (as Horovod does), so schedulers and isinstance checks work."""
 
-    def __init__(self, params, model, specs, couplings, local_steps, rho1, rho2, rho_max, adaptive_rho,
+    def __init__(self, params, model, specs, couplings, streams, local_steps, rho1, rho2, rho_max, adaptive_rho,
                  weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain, hierarchical):
         super(self.__class__, self).__init__(params)
         topo = runtime.topology()
@@ -68,7 +75,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 inter=SingleCommunicator("inter", [topo.rank], [topo.node], 0) if topo.rank == 0 else None)
         self._engine = HSADMM(model, topo, groups,
                               specs, rho1, rho2, rho_max, adaptive_rho, weight_decay_z, freeze_round,
-                              freeze_patience, bucket_mb, masked_retrain=masked_retrain, couplings=couplings)
+                              freeze_patience, bucket_mb, masked_retrain=masked_retrain, couplings=couplings,
+                              streams=streams)
         self._last_report: Optional[dict] = None
 
     def step(self, closure=None):
@@ -132,7 +140,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
                          local_steps: int = 100, rho1: float = 1.5e-3, rho2: float = 1.5e-4, rho_max: float = 10.0,
                          adaptive_rho: bool = True, weight_decay_z: float = 0.0, freeze_round: Optional[int] = None,
                          freeze_patience: int = 3, bucket_mb: float = 32, backend: str = "auto",
-                         masked_retrain: bool = True, hierarchical: bool = True, coupled: bool = False):
+                         masked_retrain: bool = True, hierarchical: bool = True, coupled=False):
     """Wrap ``optimizer`` (over ``model``'s parameters) to train with H-SADMM; see the module docstring for
     the knobs. Collective: every rank constructs it, and rank 0's parameters and float buffers are broadcast
     to all. Returns an instance of the optimizer's own class with ``consensus()``, ``finalize()``,
@@ -147,8 +155,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         for name, value in (("rho1", rho1), ("rho2", rho2), ("rho_max", rho_max)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        if not isinstance(coupled, bool):
-            raise ValueError(f"coupled must be True or False, got {coupled!r}")
+        if coupled not in COUPLING_MODES or type(coupled) not in (bool, str):
+            raise ValueError(f"coupled must be False, True (= 'pairs') or 'streams', got {coupled!r}")
         if weight_decay_z < 0:
             raise ValueError(f"weight_decay_z must be >= 0, got {weight_decay_z!r}")
         if freeze_round is not None and (not isinstance(freeze_round, int) or freeze_round < 1):
@@ -156,27 +164,41 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         if not isinstance(freeze_patience, int) or freeze_patience < 1:
             raise ValueError(f"freeze_patience must be an integer >= 1, got {freeze_patience!r}")
         specs = resolve_specs(model.named_parameters(), sparsity)
-        couplings = _couplings(model, specs) if coupled else {}
-        return (specs, couplings), {
-            "sparsity": {n: str(s) for n, s in specs.items()}, "coupled": couplings, "local_steps": local_steps,
+        couplings, streams = _couplings(model, specs, coupled) if coupled else ({}, [])
+        return (specs, couplings, streams), {
+            "sparsity": {n: str(s) for n, s in specs.items()}, "coupled": couplings,
+            "streams": [list(map(list, s)) for s in streams], "local_steps": local_steps,
             "rho": (rho1, rho2, rho_max, adaptive_rho, weight_decay_z),
             "freezing": (freeze_round, freeze_patience, masked_retrain), "bucket_mb": bucket_mb,
             "hierarchical": hierarchical}
-    specs, couplings = agreement.checked_construction("prunex_hvd.DistributedOptimizer", backend, model, checks)
-    return mix_into(optimizer, _DistributedOptimizer, model, specs, couplings, local_steps, rho1, rho2, rho_max,
-                    adaptive_rho, weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain,
-                    hierarchical)
+    specs, couplings, streams = agreement.checked_construction("prunex_hvd.DistributedOptimizer", backend, model,
+                                                               checks)
+    return mix_into(optimizer, _DistributedOptimizer, model, specs, couplings, streams, local_steps, rho1, rho2,
+                    rho_max, adaptive_rho, weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend,
+                    masked_retrain, hierarchical)
 
 
-def _couplings(model, specs) -> Dict[str, str]:
-    """The conv pairs pruned as one channel group; an error when ``coupled=True`` would change nothing."""
+def _couplings(model, specs, coupled) -> Tuple[Dict[str, str], list]:
+    """The conv pairs and (``coupled="streams"``) residual streams pruned as one channel group each; an error
+    when coupling would change nothing, or when a stream's readers ask for different channel keep ratios."""
     pairs = {c: p for c, p in dependencies.channel_couplings(model).items()
              if c in specs and p in specs and any(k == "channel" for k, _ in specs[c].parts)}
-    if not pairs:
+    streams = []
+    if coupled == "streams":
+        for s in dependencies.channel_streams(model):
+            # a member left dense, or a reader without a channel stage: that stream keeps per-layer masks
+            if all(n in specs for n in s.readers + s.writers) and \
+                    all(any(k == "channel" for k, _ in specs[n].parts) for n in s.readers):
+                stream_keep(specs, s.readers, s.writers)   # readers' keep ratios must agree
+                streams.append(s)
+        if not streams:
+            raise ValueError("coupled='streams', but no residual stream has only structured plain convs (groups=1) "
+                             "reading and writing it, with a 'channel:K' spec on its readers: nothing to couple")
+    if not pairs and not streams:
         raise ValueError("coupled=True, but no conv reads another structured conv's output alone through a "
                          "channel stage (needs a 'channel:K' spec on both, and no residual in between): "
                          "nothing to couple")
-    return pairs
+    return pairs, streams
 
 
 def check_wrapping(optimizer, model, bucket_mb) -> list:

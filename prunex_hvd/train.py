@@ -60,7 +60,8 @@ class TrainConfig:
     freeze_round: Any = "auto"                 # int, "auto" (a third of the planned rounds) or None (patience)
     freeze_patience: int = 3
     masked_retrain: bool = True
-    coupled: bool = False                      # prune a conv's input channels with the filters producing them
+    coupled: Any = False                       # True: a conv's input channels with the filters producing them;
+                                               # "streams": also one channel group per residual stream
     topk_ratio: float = 0.01                   # topk: fraction of each layer's gradient sent per step
     topk_warmup_steps: int = 0                 # topk: dense steps first
     pactrain_score: str = "magnitude"          # pactrain: magnitude | grasp
@@ -106,6 +107,8 @@ class TrainConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.method not in methods.METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(methods.METHODS)}")
+        if self.coupled not in (False, True, "pairs", "streams"):
+            raise ValueError(f"coupled must be False, True (= 'pairs') or 'streams', got {self.coupled!r}")
         if self.coupled and self.method not in ("prunex", "prunex-flat"):
             raise ValueError(f"--coupled is a PruneX option (prunex, prunex-flat), not one of {self.method!r}")
 

@@ -24,25 +24,50 @@ def _top(score, k):
     return mask
 
 
-def reference_masks(weights, specs, couplings):
-    """Projection supports, written plainly: per layer, except coupled pairs (channel-only specs), where input
-    channel c of the consumer and filter c of the producer are one group ranked by their summed squares."""
+def _keep(spec):
+    assert str(spec).startswith("channel:") and "+" not in str(spec), spec
+    return float(str(spec).split(":")[1])
+
+
+def reference_masks(weights, specs, couplings, streams=()):
+    """Projection supports, written plainly: per layer, except coupled groups (channel-only specs).
+
+    A residual stream (readers, writers) first: input channel c of every reader and filter c of every writer
+    are one group ranked by their summed squares. Then a coupled pair: input channel c of the consumer and
+    filter c of the producer, ranked by their summed squares, where a producer that reads a stream counts only
+    its stream's kept input channels. A layer's other side is its own channel stage on the weight with the
+    group's zeros in."""
     out = {name: structured_masks(weights[name], spec) for name, spec in specs.items()}
+    rows, chans = {}, {}   # fixed by a group: filters (writers, producers), input channels (readers, consumers)
+    for readers, writers in streams:
+        ws = {n: weights[n].double() for n in readers + writers}
+        keeps = {_keep(specs[n]) for n in readers + writers}
+        assert len(keeps) == 1, keeps
+        score = sum(ws[n].pow(2).sum((0, 2, 3)) for n in readers) + \
+            sum(ws[n].pow(2).reshape(ws[n].shape[0], -1).sum(1) for n in writers)
+        ch = _top(score, max(1, math.ceil(keeps.pop() * len(score) - 1e-9)))
+        rows.update({n: ch for n in writers})
+        chans.update({n: ch for n in readers})
+    assert not set(couplings) & set(couplings.values()), "chains of pairs are not written out here"
     for consumer, producer in couplings.items():
         wc, wp = weights[consumer].double(), weights[producer].double()
-        for name in (consumer, producer):
-            assert str(specs[name]).startswith("channel:") and "+" not in str(specs[name]), specs[name]
-        keep = float(str(specs[consumer]).split(":")[1])
+        if producer in chans:
+            wp = wp * chans[producer][None, :, None, None]
+        if consumer in rows:
+            wc = wc * rows[consumer][:, None, None, None]
         score = wc.pow(2).sum((0, 2, 3)) + wp.pow(2).reshape(wp.shape[0], -1).sum(1)
-        ch = _top(score, max(1, math.ceil(keep * wc.shape[1] - 1e-9)))
-        out[consumer] = (out[consumer][0], ch.repeat_interleave(wc.shape[2] * wc.shape[3]))
-        masked = weights[producer] * ch[:, None, None, None]
-        out[producer] = (ch, structured_masks(masked, specs[producer])[1])
+        chans[consumer] = rows[producer] = _top(score, max(1, math.ceil(_keep(specs[consumer]) * wc.shape[1] - 1e-9)))
+    for name in set(rows) | set(chans):
+        w = weights[name]
+        r = rows.get(name, torch.ones(w.shape[0], dtype=torch.bool))
+        c = chans[name] if name in chans else structured_masks(w * r[:, None, None, None], specs[name])[1].view(
+            w.shape[1], -1)[:, 0]
+        out[name] = (r, c.repeat_interleave(w.shape[2] * w.shape[3]))
     return out
 
 
 def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, freezes=False,
-                    couplings=None):
+                    couplings=None, streams=()):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
     frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers.
     ``freezes``: the masks freeze at the end of this round, cut to the requested structure from z."""
@@ -62,7 +87,8 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             node_sum = sum(d(states[r]["theta"][name]) + d(states[r]["u"][name]) for r in ranks)
             cands[name].append((rho1 * node_sum + rho2 * (z_old - d(states[ranks[0]]["v"][name])))
                                / (weight_decay_z / M + P * rho1 + rho2))
-    projected = [reference_masks({n: cands[n][i].float() for n in specs}, specs, couplings) for i in range(M)]
+    projected = [reference_masks({n: cands[n][i].float() for n in specs}, specs, couplings, streams)
+                 for i in range(M)]
     for name in states[0]["theta"]:
         rho1, rho2 = states[0]["rho1"][name], states[0]["rho2"][name]
         z_old = d(states[0]["z"][name])
@@ -99,7 +125,8 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
         out["rho1"][name], out["rho2"][name] = new1, new2
         out["residuals"][name] = (r_intra, s_intra, r_inter, s_inter)
     if freezes:
-        for name, (rows, cols) in reference_masks({n: out["z"][n] for n in specs}, specs, couplings).items():
+        for name, (rows, cols) in reference_masks({n: out["z"][n] for n in specs}, specs, couplings,
+                                                  streams).items():
             out["masks"][name] = (rows, cols)
             out["z"][name] = out["z"][name] * torch.outer(rows, cols).reshape(out["z"][name].shape)
     for name in states[0]["buffers"]:

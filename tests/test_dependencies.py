@@ -9,6 +9,130 @@ from prunex_hvd import dependencies, sparsity
 from prunex_hvd.models import build
 
 
+def test_resnet_streams():
+    """One group per residual stream: its block first convs and projection shortcuts read it, the stem or the
+    blocks' last convs and shortcuts write it. The last stream feeds the linear head: not coupled."""
+    streams = dependencies.channel_streams(build("resnet18", 10, 3))
+    assert streams[0] == (("layer1.0.conv1.weight", "layer1.1.conv1.weight", "layer2.0.conv1.weight",
+                           "layer2.0.downsample.0.weight"),
+                          ("conv1.weight", "layer1.0.conv2.weight", "layer1.1.conv2.weight"))
+    assert [len(s.readers) for s in streams] == [4, 3, 3] and [len(s.writers) for s in streams] == [3, 3, 3]
+    assert not any(n.startswith("layer4.1") for s in streams for n in s.readers + s.writers)
+    streams = dependencies.channel_streams(build("resnet50", 10, 3))
+    # the stem's output feeds layer1.0's conv1 and its shortcut, no add: shared all the same
+    assert streams[0] == (("layer1.0.conv1.weight", "layer1.0.downsample.0.weight"), ("conv1.weight",))
+    assert [len(s.readers) for s in streams] == [2, 4, 5, 7]
+    pairs = dependencies.channel_couplings(build("resnet50", 10, 3))
+    readers = {n for s in streams for n in s.readers}
+    writers = {n for s in streams for n in s.writers}
+    assert not readers & set(pairs) and not writers & set(pairs.values())   # one group per side of a conv
+
+
+class Stream(nn.Module):
+    """x -> stem -> s; s + b(a(s)) -> t, read by c; variants: a grouped reader, the input in the sum, a conv
+    called twice."""
+
+    def __init__(self, variant=""):
+        super().__init__()
+        self.variant = variant
+        self.stem, self.a, self.b = nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1)
+        self.c = nn.Conv2d(4, 4, 1, groups=2 if variant == "grouped" else 1)
+
+    def forward(self, x):
+        s = torch.relu(self.stem(x)) if self.variant != "input" else x[:, :1].expand(-1, 4, -1, -1).contiguous()
+        t = self.b(torch.relu(self.a(s))) + s
+        if self.variant == "twice":
+            t = self.b(t) + t
+        return self.c(t)
+
+
+def test_stream_fallbacks():
+    assert dependencies.channel_streams(Stream()) == [(("a.weight", "c.weight"), ("b.weight", "stem.weight"))]
+    for variant in ("grouped", "input", "twice"):
+        assert dependencies.channel_streams(Stream(variant)) == [], variant
+
+
+def test_stream_masks_are_the_exact_projection_onto_the_shared_set():
+    """Two readers and two writers of a 6-channel stream, nothing else constraining them: keeping the 3
+    channels of largest joint norm is the Frobenius-nearest point among masks where all four share one
+    channel set (every subset checked); per layer the readers would disagree."""
+    g = torch.Generator().manual_seed(5)
+    w = {"r1": torch.randn(3, 6, 3, 3, generator=g), "r2": torch.randn(5, 6, 1, 1, generator=g),
+         "w1": torch.randn(6, 2, 3, 3, generator=g), "w2": torch.randn(6, 4, 1, 1, generator=g)}
+    w["r1"][:, 0] *= 3
+    w["r2"][:, 5] *= 4
+    w["w1"][2] *= 3
+    specs = {n: sparsity.parse_spec("channel:0.5") for n in w}
+    stream = dependencies.Stream(("r1", "r2"), ("w1", "w2"))
+    masks = sparsity.coupled_masks(w, specs, {}, [stream])
+    kept = masks["w1"][0]
+    for n in ("r1", "r2"):
+        assert torch.equal(masks[n][1].view(6, -1)[:, 0], kept) and masks[n][0].all()
+    assert torch.equal(masks["w2"][0], kept) and int(kept.sum()) == 3
+    per_layer = [sparsity.structured_masks(w[n], specs[n])[1].view(6, -1)[:, 0] for n in ("r1", "r2")]
+    assert not torch.equal(per_layer[0], per_layer[1])
+
+    def error(chs):
+        m = torch.zeros(6, dtype=torch.bool)
+        m[list(chs)] = True
+        return sum(float(w[n][:, ~m].pow(2).sum()) for n in ("r1", "r2")) + \
+            sum(float(w[n][~m].pow(2).sum()) for n in ("w1", "w2"))
+    best = min(itertools.combinations(range(6), 3), key=error)
+    assert kept.nonzero().flatten().tolist() == list(best)
+    readers_only = sum(w[n].pow(2).sum((0, 2, 3)) for n in ("r1", "r2")).topk(3).indices.sort().values.tolist()
+    writers_only = sum(w[n].pow(2).flatten(1).sum(1) for n in ("w1", "w2")).topk(3).indices.sort().values.tolist()
+    assert list(best) != readers_only and list(best) != writers_only   # every member counts
+    # the writers' own input channels are their channel stage on what the group left them
+    for n in ("w1", "w2"):
+        assert torch.equal(masks[n][1], sparsity.structured_masks(w[n] * kept.view(-1, 1, 1, 1), specs[n])[1])
+
+
+def test_stream_needs_one_keep_ratio_for_its_readers(single_process):
+    import prunex_hvd as px
+    model = Stream()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"same 'channel:K'.*a\.weight: 'channel:0\.5', c\.weight: 'channel:0\.25'"):
+        px.DistributedOptimizer(opt, model, sparsity={"c.*": "channel:0.25", "*": "channel:0.5"}, coupled="streams")
+    specs = {n: sparsity.parse_spec("filter:0.5" if n == "c.weight" else "channel:0.5")
+             for n in ("stem.weight", "a.weight", "b.weight", "c.weight")}
+    with pytest.raises(ValueError, match="same 'channel:K'"):   # the pure function checks it too
+        sparsity.coupled_masks({n: p.detach() for n, p in model.named_parameters() if p.dim() == 4}, specs, {},
+                               dependencies.channel_streams(model))
+    # a stream member left dense: that stream keeps per-layer masks, and here nothing else is left to couple
+    with pytest.raises(ValueError, match="nothing to couple"):
+        px.DistributedOptimizer(opt, model, sparsity={"stem.*": "dense", "*": "channel:0.5"}, coupled="streams")
+
+
+def test_optimizer_streams_finalize_whole_channels(single_process):
+    """coupled="streams" on a real ResNet: after finalize() every channel of every stream is zero in all its
+    readers and writers or in none, at the requested count; inside the blocks the pairs still hold."""
+    import prunex_hvd as px
+    torch.manual_seed(0)
+    model = build("resnet_small", 4, 3)
+    opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                                  sparsity="channel:0.5", local_steps=2, rho1=0.1, rho2=0.1, freeze_round=2,
+                                  coupled="streams")
+    streams = opt._engine.streams
+    assert streams == dependencies.channel_streams(model) and len(streams) == 2
+    assert opt._engine.couplings == dependencies.channel_couplings(model)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 4, (8,))
+    for _ in range(6):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert opt.stats()["frozen"]
+    opt.finalize()
+    w = dict(model.named_parameters())
+    for readers, writers in streams:
+        live = [w[n].detach().abs().sum((0, 2, 3)) != 0 for n in readers] + \
+            [w[n].detach().flatten(1).abs().sum(1) != 0 for n in writers]
+        assert all(torch.equal(m, live[0]) for m in live), (readers, writers)
+        assert int(live[0].sum()) == len(live[0]) // 2
+    for consumer, producer in opt._engine.couplings.items():
+        assert torch.equal(w[consumer].detach().abs().sum((0, 2, 3)) != 0,
+                           w[producer].detach().flatten(1).abs().sum(1) != 0)
+
+
 def test_resnet_blocks_couple_inside_never_across_the_residual():
     pairs = dependencies.channel_couplings(build("resnet18", 10, 3))
     assert len(pairs) == 8   # one per BasicBlock: conv2 reads conv1 alone
@@ -103,8 +227,11 @@ def test_optimizer_coupled_needs_something_to_couple(single_process):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="nothing to couple"):
         px.DistributedOptimizer(opt, model, sparsity="channel:0.5", coupled=True)
-    with pytest.raises(ValueError, match="coupled must be True or False"):
-        px.DistributedOptimizer(opt, model, sparsity="channel:0.5", coupled="yes")
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="coupled must be False, True"):
+            px.DistributedOptimizer(opt, model, sparsity="channel:0.5", coupled=bad)
+    with pytest.raises(ValueError, match="coupled='streams', but no residual stream"):
+        px.DistributedOptimizer(opt, model, sparsity="channel:0.5", coupled="streams")
 
 
 def test_optimizer_coupled_finalizes_dead_filters_to_zero(single_process):

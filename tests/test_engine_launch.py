@@ -20,8 +20,10 @@ def keep(k, n):
     return max(1, min(n, math.ceil(k * n - 1e-9)))
 
 
-def check(proc, tmp_path, specs, mask_itemsize=1, couplings=None):
+def check(proc, tmp_path, specs, mask_itemsize=1, couplings=None, streams=()):
     results = worker_results(proc, tmp_path, "engine")
+    assert results[0]["couplings"] == (couplings or {})
+    assert results[0]["streams"] == [list(map(list, s)) for s in streams]
     ref_rounds = results[0]["ref_rounds"]
     assert results[0]["checks"] == 4 * ROUNDS and len(ref_rounds) == ROUNDS
     assert [r["frozen_before"] for r in ref_rounds] == [False, False, False, True]  # freeze_round=3
@@ -56,11 +58,18 @@ def check(proc, tmp_path, specs, mask_itemsize=1, couplings=None):
             consumer = {p: c for c, p in (couplings or {}).items()}.get(name)
             if consumer:   # coupled producer: one filter per channel its consumer kept
                 want_rows = keep(float(specs[consumer].split(":")[1]), c_out)
+            stream = next((s for s in streams if name in s[1]), None)
+            if stream:     # a stream writer: one filter per channel the stream's readers kept
+                want_rows = keep(float(specs[stream[0][0]].split(":")[1]), c_out)
             assert rows == want_rows, (name, rows)
             if "channel" in parts:
                 assert channels == keep(float(parts["channel"]), c_in), (name, channels)
             if "shape" in parts:
                 assert cols == keep(float(parts["shape"]), c_in * kh * kw), (name, cols)
+        # after finalize(): every channel of a stream is read and written by all of its convs, or by none
+        for s, live in zip(streams, res["stream_live"]):
+            assert len(live) == len(s[0]) + len(s[1]) and all(m == live[0] for m in live), (s, live)
+            assert len(live[0]) == keep(float(specs[s[0][0]].split(":")[1]), shapes[s[0][0]][1])
     # every rank reports the same final density
     assert len({json.dumps(r["stats"]["layer_density"], sort_keys=True) for r in results}) == 1
 
@@ -91,6 +100,20 @@ def test_engine_mpirun_coupled_channels(tmp_path):
     proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "mpi", "--coupled", "--out", str(tmp_path)),
                       ["PRUNEX_RANKS_PER_NODE=2"]))
     check(proc, tmp_path, CHANNEL, couplings={"3.weight": "0.weight"})
+
+
+RESIDUAL = {f"{n}.weight": "channel:0.5" for n in ("stem", "a", "b", "c", "d")}
+STREAM = [(("a.weight", "c.weight", "d.weight"), ("b.weight", "stem.weight"))]
+
+
+@needs_mpirun
+def test_engine_mpirun_coupled_streams(tmp_path):
+    """coupled="streams": the residual stream's readers (a, c, shortcut d) and writers (stem, b) share one
+    channel set, and the pair a -> b ranks given it; every round checked against the reference's plain joint
+    ranking, and after finalize() every stream channel is live in all five convs or in none."""
+    proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "mpi", "--model", "residual",
+                                    "--coupled-streams", "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
+    check(proc, tmp_path, RESIDUAL, couplings={"b.weight": "a.weight"}, streams=STREAM)
 
 
 @needs_horovod

@@ -11,7 +11,7 @@ from torch import nn
 
 from prunex_hvd import cli, export, models, sparsity
 from prunex_hvd.data import ShardedLoader, load_dataset
-from prunex_hvd.dependencies import channel_couplings
+from prunex_hvd.dependencies import channel_couplings, channel_streams
 from prunex_hvd.models.resnet import Bottleneck, ResNet
 
 
@@ -37,10 +37,12 @@ def trained_like(model, seed=0):
 
 
 def pruned(model, spec, coupled=False, only=None):
-    """The model with its conv weights projected as the engine's finalize() leaves them."""
+    """The model with its conv weights projected as the engine's finalize() leaves them (``coupled``: False,
+    True for pairs, "streams" for pairs and residual streams)."""
     ws = {n: p for n, p in model.named_parameters() if p.dim() == 4 and (only is None or only(n))}
     specs = {n: sparsity.parse_spec(spec) for n in ws}
-    new = sparsity.coupled_project(ws, specs, channel_couplings(model) if coupled else {})
+    new = sparsity.coupled_project(ws, specs, channel_couplings(model) if coupled else {},
+                                   channel_streams(model) if coupled == "streams" else ())
     with torch.no_grad():
         for n, w in new.items():
             ws[n].copy_(w)
@@ -108,6 +110,29 @@ def test_resnet18_channel_pruning(digits, coupled):
     assert report["removed"] >= sum(masked.get_submodule(f"{b}.conv1").out_channels // 2 for b in blocks)
     params = export.count_params(small)["params"]
     assert params < 0.5 * export.count_params(masked)["params"]
+
+
+@pytest.mark.parametrize("name", ["resnet_small", "resnet18"])
+def test_stream_coupled_masks_are_removed_whole(digits, name):
+    """coupled="streams": every zero the masks put into a coupled group goes. What stays are the zero input
+    channels of convs reading a stream the linear head also reads (ResNet-18's layer4.1.conv1): that stream is
+    not coupled and no mask could free it. No channel is left as a BatchNorm constant."""
+    masked = pruned(build(name, seed=1), "channel:0.5", coupled="streams")
+    small, report = export.slim(masked, digits[0][0][:2], calibration=digits[0][0][:32])
+    assert_same_function(masked, small, digits)
+    assert report["kept_constant"] == report["folded"] == report["zero_constant"] == 0
+    grouped = {n for s in channel_streams(masked) for n in s.readers} | set(channel_couplings(masked))
+    ungrouped = {n: p for n, p in masked.named_parameters() if p.dim() == 4 and n not in grouped}
+    assert set(ungrouped) == ({"conv1.weight", "layer4.1.conv1.weight"} if name == "resnet18" else {"conv1.weight"})
+    # their zero input columns in live filters (conv1 reads the 1-channel input: none there)
+    left = sum(int((p != 0).flatten(1).any(1).sum()) * int((p == 0).all(0).all(-1).all(-1).sum()) * p[0, 0].numel()
+               for p in ungrouped.values())
+    m, s = export.count_params(masked), export.count_params(small)
+    assert s["params"] - s["params_nonzero"] == left and (left > 0) == (name == "resnet18")
+    if name == "resnet18":   # vs ~0.49 with per-layer or pair-coupled masks (test_resnet18_channel_pruning)
+        assert s["params"] < 0.42 * m["params"]
+        x = digits[0][0][:1]
+        assert export.count_flops(small, x) < 0.32 * export.count_flops(masked, x)
 
 
 def test_dead_filters_fold_into_the_next_bias_or_stay(digits):

@@ -62,6 +62,7 @@ def test_cifar10_from_the_pickle_layout(tmp_path, capsys):
     (["--sparsity", "{not json"], "does not parse"),
     (["--batch-size", "4000"], "batch"),
     (["--method", "topk", "--coupled"], "--coupled is a PruneX option"),
+    (["--method", "dense", "--coupled-streams"], "--coupled is a PruneX option"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, capsys, args, message):
     if args[:2] == ["--model", "torchvision:resnet18"]:
@@ -100,3 +101,30 @@ def test_coupled_channels_from_the_command_line(tmp_path, capsys):
         dead_in = state[f"{block}.conv2.weight"].abs().sum((0, 2, 3)) == 0
         dead_out = state[f"{block}.conv1.weight"].flatten(1).abs().sum(1) == 0
         assert torch.equal(dead_in, dead_out) and int(dead_in.sum()) == dead_in.numel() // 2
+
+
+def test_coupled_streams_from_the_command_line(tmp_path, capsys):
+    """--coupled-streams: every residual stream's channels are live in all of its readers and writers or in
+    none, and the blocks' pairs hold as with --coupled; the model is smaller still."""
+    from prunex_hvd.dependencies import channel_couplings, channel_streams
+    from prunex_hvd.models import build
+    out = tmp_path / "run"
+    rc = cli.main(BASE + ["--dataset", "synthetic", "--image-size", "8", "--batch-size", "16", "--epochs", "1",
+                          "--local-steps", "4", "--freeze-round", "1", "--coupled-streams", "--out", str(out)])
+    assert rc == 0, capsys.readouterr()
+    assert json.loads((out / "config.json").read_text())["config"]["coupled"] == "streams"
+    assert json.loads((out / "summary.json").read_text())["density"] < 0.40
+    blob = torch.load(out / "final_model.pt")
+    state, model = blob["state_dict"], build(blob["model"], 10, 3)
+    streams = channel_streams(model)
+    assert len(streams) == 2
+    for readers, writers in streams:
+        live = [state[n].abs().sum((0, 2, 3)) != 0 for n in readers] + \
+            [state[n].flatten(1).abs().sum(1) != 0 for n in writers]
+        assert all(torch.equal(m, live[0]) for m in live) and int(live[0].sum()) == live[0].numel() // 2
+    for consumer, producer in channel_couplings(model).items():
+        assert torch.equal(state[consumer].abs().sum((0, 2, 3)) != 0, state[producer].flatten(1).abs().sum(1) != 0)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:   # one or the other
+        cli.main(BASE + ["--coupled", "--coupled-streams"])
+    assert stop.value.code == 2 and "not allowed with argument --coupled" in capsys.readouterr().err

@@ -18,8 +18,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from reference import reference_round  # noqa: E402
 
 
-def make_model():
+class Residual(nn.Module):
+    """A residual stream: written by the stem and by b (after a -> b, a coupled pair), read by a, c and the
+    shortcut d; c + d is the head's stream (a linear reads it, so it is not coupled)."""
+
+    def __init__(self):
+        super().__init__()
+        bn = nn.BatchNorm2d
+        self.stem, self.bn0 = nn.Conv2d(3, 8, 3, padding=1), bn(8)
+        self.a, self.bna, self.b, self.bnb = nn.Conv2d(8, 6, 3, padding=1), bn(6), nn.Conv2d(6, 8, 3, padding=1), bn(8)
+        self.c, self.bnc, self.d, self.bnd = nn.Conv2d(8, 10, 3, padding=1), bn(10), nn.Conv2d(8, 10, 1), bn(10)
+        self.head = nn.Linear(10, 5)
+
+    def forward(self, x):
+        s = torch.relu(self.bn0(self.stem(x)))
+        s = torch.relu(self.bnb(self.b(torch.relu(self.bna(self.a(s))))) + s)
+        t = torch.relu(self.bnc(self.c(s)) + self.bnd(self.d(s)))
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(t, 1), 1))
+
+
+def make_model(kind="chain"):
     torch.manual_seed(1234)
+    if kind == "residual":
+        return Residual()
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                          nn.Conv2d(8, 12, 3, padding=1), nn.BatchNorm2d(12), nn.ReLU(),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(12, 5))
@@ -38,6 +59,12 @@ def snapshot(opt, model):
             "frozen": eng.frozen}
 
 
+def live_channels(w, dim):
+    """The input channels (dim 1) or filters (dim 0) of a conv weight that are not all zero."""
+    other = [d for d in range(w.dim()) if d != dim]
+    return (w.detach().abs().sum(other) != 0).nonzero().flatten().tolist()
+
+
 def compare(name, got, want, rtol=1e-4, atol=1e-6):
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
@@ -51,6 +78,8 @@ def main():
     ap.add_argument("--freeze-round", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--coupled", action="store_true")
+    ap.add_argument("--coupled-streams", dest="coupled", action="store_const", const="streams")
+    ap.add_argument("--model", default="chain", choices=("chain", "residual"))
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
@@ -59,7 +88,7 @@ def main():
     control = state()[1]
     if a.device == "cuda":
         torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
-    model = make_model().to(a.device)
+    model = make_model(a.model).to(a.device)
     if topo.rank != 0:   # different starting points: construction must broadcast rank 0's
         with torch.no_grad():
             for p in model.parameters():
@@ -91,7 +120,7 @@ def main():
             want = reference_round(before, topo.node_ranks, {e.name: e.spec for e in eng.structured},
                                    weight_decay_z=0.01, rho_max=eng.rho_max, adaptive=eng.adaptive_rho,
                                    freezes=after[0]["frozen"] and not before[0]["frozen"],
-                                   couplings=eng.couplings)
+                                   couplings=eng.couplings, streams=eng.streams)
             for r, got in enumerate(after):
                 node = topo.node_of(r)
                 for name in got["theta"]:
@@ -117,11 +146,15 @@ def main():
               "stats": {k: v for k, v in opt.stats().items() if k not in ("residuals",)},
               "ledger": px.comm.summary(by_op=True), "checks": checks,
               "compact": {e.name: [int(e.rows.sum()), int(e.cols.sum())] for e in opt._engine.structured},
-              "ref_rounds": ref_rounds,
+              "ref_rounds": ref_rounds, "couplings": opt._engine.couplings,
+              "streams": [list(map(list, s)) for s in opt._engine.streams],
               "final_support": {n: [int((p.detach().reshape(p.shape[0], -1).abs().sum(1) != 0).sum()),
                                     int((p.detach().abs().sum((0, 2, 3)) != 0).sum()),
                                     int((p.detach().reshape(p.shape[0], -1).abs().sum(0) != 0).sum())]
                                 for n, p in model.named_parameters() if p.dim() == 4},
+              # per stream, per member (readers, then writers): the channels it still reads / writes
+              "stream_live": [[live_channels(model.get_parameter(n), dim) for dim, names in ((1, r), (0, w))
+                               for n in names] for r, w in opt._engine.streams],
               "shapes": {n: list(p.shape) for n, p in model.named_parameters()},
               "numels": {e.name: e.param.numel() for e in opt._engine.entries},
               "buffer_numel": sum(b.numel() for _, b in opt._engine.buffers)}
