@@ -141,12 +141,17 @@ def test_engine_nccl(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("sparsity,specs,coupled", [(None, CHANNEL, False), (MIXED_ARG, MIXED, False),
-                                                    (None, CHANNEL, True)], ids=["channel", "mixed", "coupled"])
+                                                    (None, CHANNEL, True), (None, None, "streams")],
+                         ids=["channel", "mixed", "coupled", "streams"])
 def test_engine_cuda_tensors_on_2x2(tmp_path, sparsity, specs, coupled):
     """The round on CUDA tensors (one gather per layer and direction for every structure, single-element plans
     included) on 2 emulated nodes × 2, every round checked against the reference. Gloo stages the tensors
     through the host so that four ranks can share one GPU, which NCCL refuses."""
     args = ["--backend", "gloo", "--device", "cuda", "--out", str(tmp_path)]
-    args += (["--sparsity", sparsity] if sparsity else []) + (["--coupled"] if coupled else [])
+    args += ["--sparsity", sparsity] if sparsity else []
+    args += {False: [], True: ["--coupled"], "streams": ["--model", "residual", "--coupled-streams"]}[coupled]
     proc = run(mpirun(4, python_cmd("engine_worker.py", *args), ["PRUNEX_RANKS_PER_NODE=2"]))
-    check(proc, tmp_path, specs, couplings={"3.weight": "0.weight"} if coupled else None)
+    if coupled == "streams":
+        check(proc, tmp_path, RESIDUAL, couplings={"b.weight": "a.weight"}, streams=STREAM)
+    else:
+        check(proc, tmp_path, specs, couplings={"3.weight": "0.weight"} if coupled else None)
