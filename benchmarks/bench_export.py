@@ -34,22 +34,9 @@ from prunex_hvd import export, models, sparsity  # noqa: E402
 from prunex_hvd.dependencies import channel_couplings, channel_streams  # noqa: E402
 
 
-def trained_like(model: nn.Module, seed: int) -> nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                n = m.num_features
-                m.running_mean.copy_(0.2 * torch.randn(n, generator=g))
-                m.running_var.copy_(0.5 + torch.rand(n, generator=g))
-                m.weight.copy_(0.5 + torch.rand(n, generator=g))
-                m.bias.copy_(0.3 * torch.randn(n, generator=g))
-    return model
-
-
 def masked_model(name: str, spec: str, mode: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    model = trained_like(models.build(name), seed).eval()
+    model = models.trained_like_batchnorm(models.build(name), seed).eval()
     ws = {n: p for n, p in model.named_parameters() if p.dim() == 4}
     specs = {n: sparsity.parse_spec(spec) for n in ws}
     if mode == "per-layer":

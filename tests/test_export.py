@@ -21,21 +21,6 @@ def digits():
     return list(ShardedLoader(data, 120, 0, 1, train=False).batches())
 
 
-def trained_like(model, seed=0):
-    """BatchNorm as training leaves it (scales, shifts of both signs, running statistics), so a dead filter's
-    channel carries a constant and removing it carelessly would show."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                n = m.num_features
-                m.running_mean.copy_(0.2 * torch.randn(n, generator=g))
-                m.running_var.copy_(0.5 + torch.rand(n, generator=g))
-                m.weight.copy_(0.5 + torch.rand(n, generator=g))
-                m.bias.copy_(0.3 * torch.randn(n, generator=g))
-    return model
-
-
 def pruned(model, spec, coupled=False, only=None):
     """The model with its conv weights projected as the engine's finalize() leaves them (``coupled``: False,
     True for pairs, "streams" for pairs and residual streams)."""
@@ -51,7 +36,7 @@ def pruned(model, spec, coupled=False, only=None):
 
 def build(name, seed=0):
     torch.manual_seed(seed)
-    return trained_like(models.build(name, num_classes=10, in_channels=1), seed)
+    return models.trained_like_batchnorm(models.build(name, num_classes=10, in_channels=1), seed)
 
 
 def read_channels(weights):
@@ -98,7 +83,7 @@ def test_resnet18_channel_pruning(digits, coupled):
     assert_same_function(masked, small, digits)
     blocks = [f"layer{s}.{b}" for s in range(1, 5) for b in range(2)]
     for block in blocks:
-        conv1, conv2 = masked.get_submodule(f"{block}.conv1"), masked.get_submodule(f"{block}.conv2")
+        conv2 = masked.get_submodule(f"{block}.conv2")
         kept = read_channels([conv2.weight])
         assert kept == sparsity.keep_count(0.5, conv2.in_channels)
         assert small.get_submodule(f"{block}.conv1").out_channels == kept
@@ -140,7 +125,8 @@ def test_dead_filters_fold_into_the_next_bias_or_stay(digits):
     1x1 conv3. Positive constants fold into conv3's bias, zero ones just go; without the fold the outputs
     would change."""
     torch.manual_seed(2)
-    net = trained_like(ResNet(Bottleneck, (1, 1, 1), (8, 16, 32), (1, 2, 2), stem_channels=16, in_channels=1), 2)
+    net = models.trained_like_batchnorm(
+        ResNet(Bottleneck, (1, 1, 1), (8, 16, 32), (1, 2, 2), stem_channels=16, in_channels=1), 2)
     masked = pruned(net, "filter:0.5", only=lambda n: n.endswith("conv2.weight"))
     small, report = export.slim(masked, digits[0][0][:2], calibration=digits[0][0][:32])
     assert_same_function(masked, small, digits)

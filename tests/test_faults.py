@@ -10,10 +10,9 @@ import signal
 import time
 
 import pytest
-import torch
 
 from launching import horovodrun, mpirun, needs_horovod, needs_mpirun, python_cmd, run
-from training_job import NODES2, metrics, train
+from training_job import NODES2, assert_same_run, metrics, train
 
 pytestmark = [pytest.mark.launch, needs_mpirun]
 
@@ -94,11 +93,7 @@ def test_nan_then_kill_then_resume_ends_bit_for_bit_like_the_uninterrupted_run(f
 
     proc = train(out, "--resume")
     assert proc.returncode == 0, proc.stdout[-4000:]
-    a = torch.load(ref / "final_model.pt")["state_dict"]
-    b = torch.load(out / "final_model.pt")["state_dict"]
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    drop = lambda rec: {k: v for k, v in rec.items() if k != "wall_s"}  # noqa: E731
-    assert [drop(r) for r in metrics(ref)] == [drop(r) for r in metrics(out)]
+    assert_same_run(ref, out)
 
 
 def test_ranks_at_different_step_counts_are_refused_in_the_round(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from launching import BIN, horovodrun, mpirun, needs_horovod, needs_mpirun, run
-from training_job import ARGS, NODES2, STEPS, metrics, train
+from training_job import ARGS, NODES2, STEPS, assert_same_run, metrics, train
 
 pytestmark = [pytest.mark.launch, needs_mpirun]
 
@@ -78,11 +78,7 @@ def test_resume_equals_uninterrupted(full_run, tmp_path):
     assert len(list((out / "ckpt").glob("*.pt"))) == 4
     again = train(out, "--resume")
     assert again.returncode == 0, again.stdout[-4000:]
-    a = torch.load(ref / "final_model.pt")["state_dict"]
-    b = torch.load(out / "final_model.pt")["state_dict"]
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    drop = lambda rec: {k: v for k, v in rec.items() if k != "wall_s"}  # noqa: E731
-    assert [drop(r) for r in metrics(ref)] == [drop(r) for r in metrics(out)]
+    assert_same_run(ref, out)
 
 
 def test_checkpoint_of_another_job_is_refused_on_every_rank(tmp_path):

@@ -2,6 +2,8 @@
 8×8 digits, a round every 7 steps, 3 epochs of 22 steps."""
 import json
 
+import torch
+
 from launching import BIN, mpirun, run
 
 ARGS = ["--model", "resnet_small", "--dataset", "digits", "--image-size", "8", "--epochs", "3", "--local-steps", "7",
@@ -20,3 +22,12 @@ def train(out, *extra, np_=4, env_vars=(), cmd=None, timeout=300):
 
 def metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_run(ref, out):
+    """``out`` ended bit for bit where ``ref`` did: the same final weights and the same metrics but wall time."""
+    a = torch.load(ref / "final_model.pt")["state_dict"]
+    b = torch.load(out / "final_model.pt")["state_dict"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    drop = lambda rec: {k: v for k, v in rec.items() if k != "wall_s"}  # noqa: E731
+    assert [drop(r) for r in metrics(ref)] == [drop(r) for r in metrics(out)]

@@ -10,11 +10,12 @@ import importlib
 import numbers
 from typing import Callable, Dict
 
+import torch
 from torch import nn
 
 from .resnet import resnet18, resnet50, resnet152, resnet_small, wide_resnet50_2
 
-__all__ = ["NAMES", "build", "canonical_name", "default_image_size", "describe"]
+__all__ = ["NAMES", "build", "canonical_name", "default_image_size", "describe", "trained_like_batchnorm"]
 
 TORCHVISION_PREFIX = "torchvision:"
 
@@ -153,3 +154,20 @@ def describe(name: str) -> str:
     n = _PARAMS[canon]
     count = f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
     return f"{_TITLES[canon]} ({count} params)"
+
+
+def trained_like_batchnorm(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Give every BatchNorm2d the kind of state training leaves (scales, shifts of both signs, running
+    statistics), in place. A fresh model's BatchNorm is the identity, under which a pruned channel is exactly
+    zero; with trained-like state it carries a constant, so checks of pruning and export see what they would
+    after training."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                n = m.num_features
+                m.running_mean.copy_(0.2 * torch.randn(n, generator=g))
+                m.running_var.copy_(0.5 + torch.rand(n, generator=g))
+                m.weight.copy_(0.5 + torch.rand(n, generator=g))
+                m.bias.copy_(0.3 * torch.randn(n, generator=g))
+    return model
