@@ -1,6 +1,7 @@
 """``prunex_hvd.init()``: discover the topology once per process and keep it."""
 from __future__ import annotations
 
+import atexit
 from typing import Optional, Tuple
 
 from . import comm, watchdog
@@ -49,7 +50,20 @@ def init(backend: str = "auto", ranks_per_node: Optional[int] = None, timeout: O
     except Exception:
         shutdown()
         raise
+    atexit.register(_close_torch_distributed)
     return topo
+
+
+def _close_torch_distributed() -> None:
+    """At exit, take torch.distributed's process groups down before the interpreter does: left to static
+    destruction, Gloo's threads can abort a finished process ("terminate called without an active exception",
+    seen once under torchrun), which the launcher reports as a failed job."""
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:   # exiting anyway: nothing left to protect
+        pass
 
 
 def state() -> Tuple[Topology, Control]:

@@ -279,8 +279,9 @@ class Watchdog:
                          f"resume from the last checkpoint (--resume)\n")
         sys.stderr.flush()
         sys.stdout.flush()
-        if not relayed or self.hub is not None:   # the others hear of it (from the hub) before we are gone
-            time.sleep(2 * self.interval + 0.5)
+        # Linger so every rank hears of it from the hub and says so itself: a launcher like mpirun ends the whole
+        # job as soon as the first of us exits, so a rank that left at once could silence the others.
+        time.sleep(2 * self.interval + 0.5)
         os._exit(EXIT_CODE)
 
     def _missing(self, answer: Optional[dict]) -> str:

@@ -43,7 +43,8 @@ def inject(fault: str, at_round: int, out: str) -> None:
             return round_fn(self, steps)
 
         def candidate_then_fault(*args, **kwargs):   # runs after the round's intra-node allreduce
-            if state["round"] == at_round:
+            if state["round"] == at_round and not state.get("done"):   # once: a launcher may SIGCONT us later
+                state["done"] = True
                 mark()
                 sys.stdout.flush()
                 os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
