@@ -149,8 +149,8 @@ def test_a_killed_rank_under_horovodrun_is_named(tmp_path):
     took = since_fault(tmp_path)
     assert proc.returncode != 0
     said = watchdog_lines(proc.stdout)
-    assert said and all(re.search(r"rank 3 died \(its process is gone\)", s) for s in said.values()), \
-        proc.stdout[-4000:]
-    assert "Process 3 exit with status code 137" in proc.stdout
+    # rank 3 named: by the watchdogs, unless horovodrun saw the death and ended the others first
+    assert all(re.search(r"rank 3 died \(its process is gone\)", s) for s in said.values()), proc.stdout[-4000:]
+    assert "Process 3 exit with status code 137" in proc.stdout, proc.stdout[-4000:]
     assert took < SLACK_S, took
     print(f"horovodrun, rank 3 killed mid-round: the job ended {took:.1f} s after the kill")
