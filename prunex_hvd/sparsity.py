@@ -484,14 +484,14 @@ def recover_gather(rows_with_zero: Tensor, index: Tensor, shape, out: Optional[T
     return out
 
 
-def _take_cols(g: Tensor, row_idx: Tensor, col_idx: Tensor, ksize: int, out: Optional[Tensor]) -> Tensor:
-    """``g[row_idx][:, col_idx]`` for a column subset (rows: any subset, or all)."""
-    ch = _channel_runs(col_idx, ksize)
-    if ch is None:
+def _take_cols(g: Tensor, row_idx: Tensor, col_idx: Tensor, shape: torch.Size, out: Optional[Tensor]) -> Tensor:
+    """``g[row_idx][:, col_idx]`` for a column subset (rows: any subset, or all) of the tensor of ``shape``."""
+    idx = _kernel_chunks(row_idx, col_idx, shape)
+    if idx is None:
         # Rows first: dropping rows is a contiguous-chunk copy, and the column gather then runs over fewer rows.
         g = g if row_idx.numel() == g.shape[0] else g.index_select(0, row_idx)
         return torch.index_select(g, 1, col_idx, out=out) if out is not None else g.index_select(1, col_idx)
-    idx = (row_idx[:, None] * (g.shape[1] // ksize) + ch[None, :]).reshape(-1)
+    ksize = shape[2] * shape[3]
     chunks = g.reshape(-1, ksize)   # a view unless g is a non-contiguous input
     if out is not None:
         torch.index_select(chunks, 0, idx, out=out.view(-1, ksize))
@@ -520,14 +520,12 @@ def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None, plan:
     row_idx, col_idx = _idx(row_idx, g.device), _idx(col_idx, g.device)
     r, c = row_idx.numel(), col_idx.numel()
     all_rows, all_cols = r == n_rows, c == n_cols
-    # Kernel positions per input channel: lets a channel-structured column set be copied in whole chunks.
-    ksize = tensor.shape[2] * tensor.shape[3] if tensor.dim() == 4 else 1
     if out is None:
         if all_rows and all_cols:
             return g.clone(memory_format=torch.contiguous_format)
         if all_cols:
             return g.index_select(0, row_idx)
-        return _take_cols(g, row_idx, col_idx, ksize, None)
+        return _take_cols(g, row_idx, col_idx, tensor.shape, None)
 
     o = _out2d(out, r, c, "shrink")
     with torch.no_grad():
@@ -538,7 +536,7 @@ def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None, plan:
         elif all_cols:
             torch.index_select(g, 0, row_idx, out=o)
         else:
-            _take_cols(g, row_idx, col_idx, ksize, o)
+            _take_cols(g, row_idx, col_idx, tensor.shape, o)
     return o
 
 
