@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import os
 import pickle
 import socket
@@ -168,8 +169,8 @@ class HorovodControl(Control):
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         sizes = self._wait(self.hvd.allgather_async(torch.tensor([data.numel()]), name=name + ".sizes")).tolist()
         gathered = self._wait(self.hvd.allgather_async(data, name=name)).numpy().tobytes()
-        ends = [sum(sizes[:r + 1]) for r in range(self.size)]
-        return [pickle.loads(gathered[end - n:end]) for end, n in zip(ends, sizes)]
+        starts = itertools.accumulate(sizes, initial=0)
+        return [pickle.loads(gathered[start:start + n]) for start, n in zip(starts, sizes)]
 
     @_watched
     def broadcast_object(self, obj, root=0):
