@@ -9,10 +9,12 @@ Throughput ratio = copy time / our time (1.0: as fast as a copy; bytes/s of the 
 ``shrink_vs_copy_compact`` is the stricter figure against copying only the compact block's bytes.
 
 Both run as the engine runs them: each layer's ``sparsity.gather_plan`` is computed once (the engine caches
-it while masks hold), shrink is then one gather, and recover one gather from the bucket slice whose pruned
-chunks read the bucket's unsent zero tail. Layers without a plan (single columns on CPU) zero-fill and
-scatter. Timings are medians over interleaved repetitions. Target ≥ 0.5 for shrink and recover against the
-tensor copy. CPU always; CUDA when a GPU is present (synchronised timings).
+it while masks hold). On CPU a layer with pruned columns then takes the native kernel (``prunex_hvd.native``:
+one pass each way); whole rows, and every structure on CUDA, take one gather each way, recover gathering
+from the bucket slice whose pruned chunks read the bucket's unsent zero tail. On CPU the same cases also run
+through ATen alone (``*_aten``: ``gather_plan(native=False)``, what runs where the kernel cannot be built),
+interleaved with the rest. Timings are medians over interleaved repetitions. Target ≥ 0.5 for shrink and
+recover against the tensor copy. CPU always; CUDA when a GPU is present (synchronised timings).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import time
 
 import torch
 
-from prunex_hvd import sparsity
+from prunex_hvd import native, sparsity
 from prunex_hvd.buckets import BucketLayout
 
 SHAPES = [(64, 64, 3, 3), (256, 128, 3, 3), (512, 256, 3, 3), (512, 512, 3, 3), (2048, 512, 1, 1)]
@@ -51,12 +53,12 @@ def interleaved_medians(ops, reps, sync):
 
 def packing(idx, plans, device):
     """The engine's compact bucket for these layers (with the zero tail its gathers need) and, per layer, what
-    recover gathers from: (bucket rows, index), or None where it zero-fills and scatters."""
-    tail = 2 * max((p.chunk for p in plans if p is not None), default=0)
+    recover gathers from: (bucket rows, index), or None where it recovers otherwise (kernel, or scatter)."""
+    tail = 2 * max((p.chunk for p in plans if isinstance(p, sparsity.GatherPlan)), default=0)
     layout = BucketLayout([len(r) * len(c) for r, c in idx], torch.float32, device, 1 << 62, zero_tail=tail)
     gathers = []
     for k, plan in enumerate(plans):
-        if plan is None:
+        if not isinstance(plan, sparsity.GatherPlan):
             gathers.append(None)
             continue
         rows, zero_row = layout.chunk_rows(k, plan.chunk)
@@ -64,40 +66,80 @@ def packing(idx, plans, device):
     return layout, gathers
 
 
-def recover_like_the_engine(w, r, c, view, gather, out=None):
+def recover_like_the_engine(w, r, c, view, gather, plan, out=None):
     if gather is not None:
         return sparsity.recover_gather(*gather, w.shape, out=out)
-    return sparsity.recover(view, r, c, w.shape, out=out)
+    return sparsity.recover(view, r, c, w.shape, out=out, plan=plan)
+
+
+def recovered_by(plan) -> str:
+    return {sparsity.GatherPlan: "gather", sparsity.KernelPlan: "kernel"}.get(type(plan), "scatter")
+
+
+class EnginePacking:
+    """Conv weights packed into one compact bucket and unpacked, as a consensus round does: plans computed once
+    (``native=False``: ATen's plans only), ``pack()`` shrinks every layer into its slice, ``unpack()`` recovers
+    every layer into a preallocated tensor."""
+
+    def __init__(self, ws, idx, device, native=True):
+        self.ws, self.idx = ws, idx
+        self.plans = [sparsity.gather_plan(r, c, w.shape, native=native) for w, (r, c) in zip(ws, idx)]
+        self.layout, self.gathers = packing(idx, self.plans, device)
+        self.fulls = [torch.empty_like(w) for w in ws]
+
+    def pack(self):
+        for w, (r, c), v, plan in zip(self.ws, self.idx, self.layout.views, self.plans):
+            sparsity.shrink(w, r, c, out=v, plan=plan)
+
+    def unpack(self):
+        for w, (r, c), v, gth, plan, f in zip(self.ws, self.idx, self.layout.views, self.gathers, self.plans,
+                                              self.fulls):
+            recover_like_the_engine(w, r, c, v, gth, plan, out=f)
+
+    def check(self, masks):
+        self.pack()
+        self.unpack()
+        for w, f, (rows, cols) in zip(self.ws, self.fulls, masks):
+            assert torch.equal(f, sparsity.apply_masks(w, rows, cols))
+
+
+def engine_and_aten(ws, masks, device):
+    """The engine's packing and, on CPU, the same with ATen alone: their ops to interleave, named by suffix."""
+    idx = [sparsity.masks_to_indices(rows, cols) for rows, cols in masks]
+    runs = {"": EnginePacking(ws, idx, device)}
+    if device.type == "cpu":
+        runs["_aten"] = EnginePacking(ws, idx, device, native=False)
+    ops = {}
+    for suffix, run in runs.items():
+        run.check(masks)
+        ops[f"shrink{suffix}"], ops[f"recover{suffix}"] = run.pack, run.unpack
+    return runs, ops
+
+
+def ratios(med, copy_in, copy_out) -> dict:
+    """Copy time / our time, for the engine and (where measured) ATen alone."""
+    out = {}
+    for suffix in ("", "_aten"):
+        if f"shrink{suffix}" in med:
+            out[f"shrink_vs_copy{suffix}"] = med[copy_in] / med[f"shrink{suffix}"]
+            out[f"recover_vs_copy{suffix}"] = med[copy_out] / med[f"recover{suffix}"]
+    return out
 
 
 def measure(shape, spec, device, reps):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     w = torch.randn(shape, device=device)
-    rows, cols = sparsity.structured_masks(w, spec)
-    r_idx, c_idx = sparsity.masks_to_indices(rows, cols)
-    plan = sparsity.gather_plan(r_idx, c_idx, w.shape)   # cached, as the engine does while masks hold
-    n = len(r_idx) * len(c_idx)
-    layout, (gather,) = packing([(r_idx, c_idx)], [plan], device)
-    bucket = layout.views[0]
+    masks = [sparsity.structured_masks(w, spec)]
+    runs, ops = engine_and_aten([w], masks, device)
+    engine = runs[""]
+    n = engine.layout.total_numel
     src_small, src_full = torch.randn(n, device=device), torch.randn_like(w)
-    dst_small = torch.empty(n, device=device)
-    full = torch.empty_like(w)
-
-    ops = {
-        "shrink": lambda: sparsity.shrink(w, r_idx, c_idx, out=bucket, plan=plan),
-        "copy_compact": lambda: dst_small.copy_(src_small),
-        "recover": lambda: recover_like_the_engine(w, r_idx, c_idx, bucket, gather, out=full),
-        "copy_full": lambda: full.copy_(src_full),
-    }
+    dst_small, full = torch.empty(n, device=device), torch.empty_like(w)
+    ops.update(copy_compact=lambda: dst_small.copy_(src_small), copy_full=lambda: full.copy_(src_full))
     med = interleaved_medians(ops, reps, sync)
-    sparsity.shrink(w, r_idx, c_idx, out=bucket, plan=plan)
-    assert torch.equal(recover_like_the_engine(w, r_idx, c_idx, bucket, gather),
-                       sparsity.apply_masks(w, rows, cols))
     return {"shape": list(shape), "spec": spec, "compact_fraction": n / w.numel(),
-            "recover_by": "gather" if gather is not None else "scatter",
-            "shrink_vs_copy": med["copy_full"] / med["shrink"],
+            "recover_by": recovered_by(engine.plans[0]), **ratios(med, "copy_full", "copy_full"),
             "shrink_vs_copy_compact": med["copy_compact"] / med["shrink"],
-            "recover_vs_copy": med["copy_full"] / med["recover"],
             "shrink_GBps": 4 * n / med["shrink"] / 1e9, "recover_GBps": 4 * w.numel() / med["recover"] / 1e9}
 
 
@@ -107,20 +149,10 @@ def measure_model(name, spec, device, reps):
     from prunex_hvd.models import build
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ws = [p.detach().to(device) for p in build(name, 10, 3).parameters() if p.dim() == 4]
-    idx = [sparsity.masks_to_indices(*sparsity.structured_masks(w, spec)) for w in ws]
-    plans = [sparsity.gather_plan(r, c, w.shape) for w, (r, c) in zip(ws, idx)]
-    layout, gathers = packing(idx, plans, device)
+    runs, ops = engine_and_aten(ws, [sparsity.structured_masks(w, spec) for w in ws], device)
     dense = torch.empty(sum(w.numel() for w in ws), device=device)
-    views, dviews = layout.views, dense.split([w.numel() for w in ws])
+    dviews = dense.split([w.numel() for w in ws])
     fulls = [torch.empty_like(w) for w in ws]
-
-    def pack():
-        for w, (r, c), v, plan in zip(ws, idx, views, plans):
-            sparsity.shrink(w, r, c, out=v, plan=plan)
-
-    def unpack():
-        for w, (r, c), v, gth, f in zip(ws, idx, views, gathers, fulls):
-            recover_like_the_engine(w, r, c, v, gth, out=f)
 
     def dense_pack():
         for w, v in zip(ws, dviews):
@@ -129,10 +161,10 @@ def measure_model(name, spec, device, reps):
     def dense_unpack():
         for v, f in zip(dviews, fulls):
             f.copy_(v.view_as(f))
-    ops = {"shrink": pack, "copy_pack": dense_pack, "recover": unpack, "copy_unpack": dense_unpack}
+    ops.update(copy_pack=dense_pack, copy_unpack=dense_unpack)
     med = interleaved_medians(ops, reps, sync)
-    return {"model": name, "spec": spec, "conv_MB": 4 * dense.numel() / 1e6, "compact_MB": 4 * layout.total_numel / 1e6,
-            "shrink_vs_copy": med["copy_pack"] / med["shrink"], "recover_vs_copy": med["copy_unpack"] / med["recover"]}
+    return {"model": name, "spec": spec, "conv_MB": 4 * dense.numel() / 1e6,
+            "compact_MB": 4 * runs[""].layout.total_numel / 1e6, **ratios(med, "copy_pack", "copy_unpack")}
 
 
 def main() -> None:
@@ -157,6 +189,8 @@ def main() -> None:
             "min_recover_vs_copy": min(r["recover_vs_copy"] for r in rows),
             "median_shrink_vs_copy_compact": statistics.median(r["shrink_vs_copy_compact"] for r in rows),
         }
+        if dev == "cpu":
+            out["results"][dev]["native"] = native.describe()
         if dev == "cuda":
             out["results"][dev]["gpu"] = torch.cuda.get_device_name()
     print(json.dumps(out, indent=2))

@@ -45,13 +45,13 @@ class Entry:
     cols: Optional[torch.Tensor] = None
     row_idx: Optional[torch.Tensor] = None
     col_idx: Optional[torch.Tensor] = None
-    chunks: Optional[sparsity.GatherPlan] = None   # shrink and recover as one gather each, while masks hold
+    plan: Optional[sparsity.Plan] = None   # shrink and recover as one pass each, while masks hold
     residuals: Dict[str, float] = field(default_factory=dict)
 
     def set_masks(self, rows: torch.Tensor, cols: torch.Tensor) -> None:
         self.rows, self.cols = rows, cols
         self.row_idx, self.col_idx = sparsity.masks_to_indices(rows, cols)
-        self.chunks = sparsity.gather_plan(self.row_idx, self.col_idx, self.param.shape)
+        self.plan = sparsity.gather_plan(self.row_idx, self.col_idx, self.param.shape)
 
     @property
     def structured(self) -> bool:
@@ -219,7 +219,7 @@ class HSADMM:
             for k, e in enumerate(self.entries):
                 c = z_i_new[k] + e.v
                 if e.structured:
-                    sparsity.shrink(c, e.row_idx, e.col_idx, out=layout.views[k], plan=e.chunks)
+                    sparsity.shrink(c, e.row_idx, e.col_idx, out=layout.views[k], plan=e.plan)
                 else:
                     layout.views[k].copy_(c.reshape(-1))
             for j in range(len(self.buffers)):
@@ -239,7 +239,7 @@ class HSADMM:
             if k in self._gathers:   # one gather of whole chunks from the bucket (see _compact_layout)
                 z_new.append(sparsity.recover_gather(*self._gathers[k], e.z.shape))
             elif e.structured:
-                z_new.append(sparsity.recover(layout.views[k], e.row_idx, e.col_idx, e.z.shape))
+                z_new.append(sparsity.recover(layout.views[k], e.row_idx, e.col_idx, e.z.shape, plan=e.plan))
             else:
                 z_new.append(layout.views[k].view_as(e.z).clone())
             local_sq[k, 0] = admm.sq_norm(e.param.detach() - z_i_new[k])
@@ -342,13 +342,13 @@ class HSADMM:
                 f"the data, and resume from the last checkpoint")
 
     def _mask_state(self):
-        return ([(e.rows, e.cols, e.row_idx, e.col_idx, e.chunks) for e in self.structured], self.mask_drift,
+        return ([(e.rows, e.cols, e.row_idx, e.col_idx, e.plan) for e in self.structured], self.mask_drift,
                 self._compact)
 
     def _restore_mask_state(self, saved) -> None:
         masks, self.mask_drift, self._compact = saved
-        for e, (rows, cols, row_idx, col_idx, chunks) in zip(self.structured, masks):
-            e.rows, e.cols, e.row_idx, e.col_idx, e.chunks = rows, cols, row_idx, col_idx, chunks
+        for e, (rows, cols, row_idx, col_idx, plan) in zip(self.structured, masks):
+            e.rows, e.cols, e.row_idx, e.col_idx, e.plan = rows, cols, row_idx, col_idx, plan
 
     def _masks(self, weights: Dict[str, torch.Tensor]) -> List[tuple]:
         """Π_S's support for every structured entry (in ``self.structured`` order), coupled channel groups
@@ -389,18 +389,20 @@ class HSADMM:
                             self.bucket_bytes, zero_tail=zero_tail)
 
     def _compact_layout(self) -> BucketLayout:
-        """The compact buckets, made again whenever the masks change. Layers with a gather plan (whole rows or
-        kernels; anything on CUDA) recover z by one gather from their bucket slice, pruned chunks reading a zero
-        row kept past each bucket's end (never sent): z is written once, not zero-filled and then scattered."""
+        """The compact buckets, made again whenever the masks change. Layers with a gather plan (CUDA; CPU
+        without the native kernel) recover z by one gather from their bucket slice, pruned chunks reading a zero
+        row kept past each bucket's end (never sent): z is written once, not zero-filled and then scattered.
+        (On CPU the kernel's plan does the same in one pass.)"""
         if self._compact is None:
-            tail = 2 * max((e.chunks.chunk for e in self.structured if e.chunks is not None), default=0)
+            tail = 2 * max((e.plan.chunk for e in self.structured if isinstance(e.plan, sparsity.GatherPlan)),
+                           default=0)
             self._compact = self._layout((e.compact_numel() for e in self.entries), zero_tail=tail)
         if self._gathers_of is not self._compact:   # a new layout, or one restored with its masks
             self._gathers, self._gathers_of = {}, self._compact
             for k, e in enumerate(self.entries):
-                if e.structured and e.chunks is not None:
-                    rows, zero_row = self._compact.chunk_rows(k, e.chunks.chunk)
-                    self._gathers[k] = (rows, e.chunks.slot.masked_fill(e.chunks.slot < 0, zero_row))
+                if e.structured and isinstance(e.plan, sparsity.GatherPlan):
+                    rows, zero_row = self._compact.chunk_rows(k, e.plan.chunk)
+                    self._gathers[k] = (rows, e.plan.slot.masked_fill(e.plan.slot < 0, zero_row))
         return self._compact
 
     def _sum_over_job(self, local: torch.Tensor) -> torch.Tensor:

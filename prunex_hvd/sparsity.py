@@ -32,10 +32,12 @@ import fnmatch
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+
+from . import native
 
 KINDS = ("filter", "channel", "shape")   # also the application order
 _ORDER = {k: i for i, k in enumerate(KINDS)}
@@ -430,6 +432,68 @@ class GatherPlan(NamedTuple):
     slot: Tensor
 
 
+class KernelPlan(NamedTuple):
+    """CPU: shrink and recover of a row and column subset as one pass each of the native kernel
+    (:mod:`prunex_hvd.native`).
+
+    The kept rows (``rows``; None when every row is kept) all keep the same ``kept_cols`` columns: ``bits`` is
+    that column mask packed 8 columns to a byte, ``offs[b]`` the kept columns before byte ``b`` (``offs[-1]``
+    all of them), and the first ``vector_blocks`` bytes can be moved as whole SIMD vectors without a store
+    leaving the row."""
+    numel: int                      # of the full tensor
+    block_shape: Tuple[int, int]    # of the compact block
+    n_rows: int
+    n_cols: int
+    rows: Optional[Tensor]
+    bits: Tensor
+    offs: Tensor
+    vector_blocks: int
+
+
+# torch's own grain: below it one thread copies faster than two start up
+_PARALLEL_NUMEL = 32768
+
+
+def kernel_plan(row_idx, col_idx, shape) -> Optional[KernelPlan]:
+    """The :class:`KernelPlan` of these index sets (CPU), or None where the native kernel is not available or
+    not needed (a dense set: a plain copy)."""
+    shape = torch.Size(shape)
+    n_rows = shape[0]
+    n_cols = shape.numel() // n_rows if n_rows else 0
+    row_idx, col_idx = _idx(row_idx, "cpu"), _idx(col_idx, "cpu")
+    r, c = row_idx.numel(), col_idx.numel()
+    if (r, c) == (n_rows, n_cols) or native.module() is None:
+        return None
+    mask = torch.zeros(-(-n_cols // 8) * 8, dtype=torch.uint8)
+    mask[col_idx] = 1
+    bits = (mask.view(-1, 8) << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
+    offs = torch.zeros(bits.numel() + 1, dtype=torch.int32)
+    torch.cumsum(mask.view(-1, 8).sum(1, dtype=torch.int32), 0, out=offs[1:])
+    # A block's vector may reach 8 elements past its first kept one: only those ending inside the row qualify.
+    vector_blocks = int(((offs[: n_cols // 8] + 8) <= c).sum())
+    rows = None if r == n_rows else row_idx.contiguous()
+    return KernelPlan(shape.numel(), (r, c), n_rows, n_cols, rows, bits, offs, vector_blocks)
+
+
+def _run_kernel(expand: bool, plan: KernelPlan, full: Tensor, block: Tensor) -> bool:
+    """One kernel pass, ``full`` → ``block`` (shrink) or back (``expand``), if the tensors are what it takes
+    (CPU, contiguous, one 4- or 8-byte dtype, the plan's sizes); else False, for ATen's path. Kept lean: on a
+    small layer this Python takes as long as the pass itself."""
+    size = full.element_size()
+    r, c = plan.block_shape
+    if (full.dtype != block.dtype or size not in (4, 8) or not (full.is_cpu and block.is_cpu)
+            or full.numel() != plan.numel or block.numel() != r * c
+            or not (full.is_contiguous() and block.is_contiguous())):
+        return False
+    kernel = native.module()
+    src, dst = (block, full) if expand else (full, block)
+    threads = torch.get_num_threads() if plan.numel >= _PARALLEL_NUMEL else 1
+    (kernel.expand if expand else kernel.compress)(
+        src.data_ptr(), dst.data_ptr(), size, threads, plan.n_rows, 0 if plan.rows is None else plan.rows.data_ptr(),
+        r, plan.bits.data_ptr(), plan.offs.data_ptr(), plan.n_cols, c, plan.vector_blocks)
+    return True
+
+
 def _kernel_chunks(row_idx: Tensor, col_idx: Tensor, shape: torch.Size) -> Optional[Tensor]:
     """Numbers of the kept kernel-sized chunks in ``tensor.view(-1, KH*KW)`` for a channel-structured column
     set on CPU: (row r, channel c) → r·C_in + c. One dim-0 gather of whole chunks is a row-wise memcpy in ATen,
@@ -439,12 +503,18 @@ def _kernel_chunks(row_idx: Tensor, col_idx: Tensor, shape: torch.Size) -> Optio
     return None if ch is None else (row_idx[:, None] * shape[1] + ch[None, :]).reshape(-1)
 
 
-def gather_plan(row_idx, col_idx, shape) -> Optional[GatherPlan]:
-    """The :class:`GatherPlan` of these index sets, or None where none pays: a dense set (a plain copy) and,
-    on CPU, columns that are not whole channels (single-element gathers there are slower than a scatter).
+Plan = Union[GatherPlan, KernelPlan]
 
-    On CUDA every structure gets one: each kernel launch costs about what copying a layer does, so one gather
-    beats the two or three launches of the general path. Compute it once per mask and pass it as ``plan=``."""
+
+def gather_plan(row_idx, col_idx, shape, native: bool = True) -> Optional[Plan]:
+    """How to shrink and recover a layer with these index sets, computed once per mask (pass it as ``plan=``):
+    None for a dense set (a plain copy); on CPU a :class:`KernelPlan` (the native kernel; where it is
+    unavailable, a :class:`GatherPlan` of whole rows, or of whole kernels if the columns are whole channels,
+    else None: single-element gathers there are slower than a scatter).
+
+    On CUDA every structure gets a :class:`GatherPlan`: each kernel launch costs about what copying a layer
+    does, so one gather beats the two or three launches of the general path. ``native=False``: no
+    :class:`KernelPlan` (ATen's paths only, as where the kernel cannot be built)."""
     shape = torch.Size(shape)
     n_rows = shape[0]
     n_cols = shape.numel() // n_rows if n_rows else 0
@@ -453,6 +523,8 @@ def gather_plan(row_idx, col_idx, shape) -> Optional[GatherPlan]:
     r, c = row_idx.numel(), col_idx.numel()
     if (r, c) == (n_rows, n_cols):
         return None
+    if native and device.type == "cpu" and (columns := kernel_plan(row_idx, col_idx, shape)) is not None:
+        return columns
     if c == n_cols:
         chunk, kept = n_cols, row_idx
     elif device.type == "cuda":
@@ -499,7 +571,7 @@ def _take_cols(g: Tensor, row_idx: Tensor, col_idx: Tensor, shape: torch.Size, o
     return chunks.index_select(0, idx).view(row_idx.numel(), -1)
 
 
-def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None, plan: Optional[GatherPlan] = None) -> Tensor:
+def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None, plan: Optional[Plan] = None) -> Tensor:
     """The kept block ``gemm_view(tensor)[row_idx][:, col_idx]`` as a contiguous ``(len(row_idx), len(col_idx))``.
 
     With ``out`` (any contiguous tensor of that many elements, e.g. a slice of a flat communication bucket)
@@ -507,6 +579,13 @@ def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None, plan:
     cast). The ``out`` path is not differentiable. ``plan``: :func:`gather_plan` of these index sets, cached
     while they hold: the block is then one gather.
     """
+    if isinstance(plan, KernelPlan):
+        # not differentiable, and it writes through pointers: only out=, or a tensor that needs no grad
+        if out is not None or not tensor.requires_grad:
+            block = out if out is not None else torch.empty(plan.block_shape, dtype=tensor.dtype)
+            if _run_kernel(False, plan, tensor, block):
+                return block.view(plan.block_shape)
+        plan = None   # a dtype or layout the kernel does not take: ATen's path
     if plan is not None and tensor.is_contiguous():
         # Kept lean: on a GPU every microsecond of Python here is as long as the gather itself.
         if out is None:
@@ -541,15 +620,25 @@ def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None, plan:
 
 
 def recover(compact: Tensor, row_idx, col_idx, shape, out: Optional[Tensor] = None,
-            plan: Optional[GatherPlan] = None) -> Tensor:
+            plan: Optional[Plan] = None) -> Tensor:
     """Inverse of :func:`shrink`: a tensor of ``shape``, zero except at ``row_idx × col_idx`` (gemm view).
 
     ``compact`` is the block, flat or 2-D. With ``out`` (a tensor of ``shape``) it is zero-filled, written and
     returned (not differentiable); otherwise a new tensor of ``compact``'s dtype and device is made.
     ``recover(shrink(W, r, c), r, c, W.shape)`` equals ``W`` wherever ``W`` is supported on ``r × c``.
-    ``plan``: :func:`gather_plan` of these index sets, cached (one scatter of its chunks after the zero-fill;
+    ``plan``: :func:`gather_plan` of these index sets, cached (a :class:`KernelPlan`: one native pass, every
+    element written once; a :class:`GatherPlan`: one scatter of its chunks after the zero-fill, where
     :func:`recover_gather` needs no zero-fill at all).
     """
+    if isinstance(plan, KernelPlan):
+        # as in shrink: out=, or a block that needs no grad; anything the kernel does not take goes on below
+        if out is None and not compact.requires_grad:
+            dst = torch.empty(plan.numel, dtype=compact.dtype).view(shape)
+        else:
+            dst = out if out is not None and out.shape == shape else None
+        if dst is not None and _run_kernel(True, plan, dst, compact):
+            return dst
+        plan = None
     shape = torch.Size(shape)
     n_rows = shape[0]
     n_cols = shape.numel() // n_rows if n_rows else 0

@@ -2,7 +2,7 @@
 # Idempotent set-up on a fresh Debian machine: Open MPI, a venv, torch, the package, patched Horovod.
 # Every step checks before it acts, so a second run takes seconds.
 #   VENV              where the virtual env lives          (default: <repo>/.venv)
-#   PRUNEX_CACHE      where the built Horovod wheel is kept (default: ~/.cache/prunex_hvd)
+#   PRUNEX_CACHE      where the built Horovod wheel and native kernel are kept (default: ~/.cache/prunex_hvd)
 #   TORCH_SPEC        the torch requirement                (default: torch==2.13.0)
 #   PRUNEX_NO_HOROVOD=1 skips Horovod (the package works without it: MPI / torch.distributed only)
 set -euo pipefail
@@ -47,4 +47,6 @@ fi
 if [ "${PRUNEX_NO_HOROVOD:-0}" != "1" ] && ! have horovod.torch; then
     "$here/scripts/build_horovod.sh" "$VENV/bin/python" "$PRUNEX_CACHE"
 fi
+# 6. The native shrink/recover kernel (a second's compile, cached next to the wheel; built on first use too).
+PRUNEX_CACHE="$PRUNEX_CACHE" "$VENV/bin/python" -m prunex_hvd.native
 say "ready: $VENV/bin/python"

@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch import nn
 
+from prunex_hvd import native as native_kernel
 from prunex_hvd.buckets import BucketLayout
-from prunex_hvd.sparsity import (StructureSpec, apply_masks, density, gather_plan, gemm_view, keep_count,
-                                 masks_to_indices, parse_spec, project, recover, recover_gather, resolve_specs, shrink,
+from prunex_hvd.sparsity import (KernelPlan, GatherPlan, StructureSpec, apply_masks, density, gather_plan, gemm_view,
+                                 keep_count, masks_to_indices, parse_spec, project, recover, recover_gather, resolve_specs, shrink,
                                  structured_masks)
 
 SHAPE = (4, 3, 2, 2)   # 4 filters, 3 channels, 12 GEMM columns: every subset enumerable
@@ -449,17 +450,22 @@ def test_shrink_non_contiguous_inputs():
 
 
 @pytest.mark.parametrize("spec", ["channel:0.5", "filter:0.5+channel:0.3", "shape:0.5", "filter:0.5"])
-def test_cached_gather_plan_gives_the_same_blocks(spec):
+@pytest.mark.parametrize("native", [True, False])
+def test_cached_gather_plan_gives_the_same_blocks(spec, native):
     w = torch.randn(12, 6, 3, 3)
     r, c = masks_to_indices(*structured_masks(w, spec))
-    plan = gather_plan(r, c, w.shape)
-    assert (plan is not None) == (spec != "shape:0.5")   # CPU: whole rows or whole kernels only
+    plan = gather_plan(r, c, w.shape, native=native)
+    if native and native_kernel.available():       # on CPU the kernel takes every structure
+        assert isinstance(plan, KernelPlan)
+    else:                                          # ATen: whole rows or whole kernels only
+        assert (plan is not None) == (spec != "shape:0.5")
     block = shrink(w, r, c, plan=plan)
     assert torch.equal(block, shrink(w, r, c))
     out = torch.full((block.numel(),), float("nan"))
     assert torch.equal(shrink(w, r, c, out=out, plan=plan), block)
     full = torch.full_like(w, float("nan"))
     assert torch.equal(recover(block, r, c, w.shape, out=full, plan=plan), recover(block, r, c, w.shape))
+    assert torch.equal(recover(block, r, c, w.shape, plan=plan), recover(block, r, c, w.shape))
 
 
 @pytest.mark.parametrize("shape", [(8, 6, 3, 3), (16, 4, 1, 1), (5, 7, 2, 3)])
@@ -471,7 +477,7 @@ def test_recover_gather_from_a_bucket_with_a_zero_tail(shape, spec):
     w = torch.randn(shape)
     rows, cols = structured_masks(w, spec)
     r, c = masks_to_indices(rows, cols)
-    plan = gather_plan(r, c, w.shape)
+    plan = gather_plan(r, c, w.shape, native=False)   # the gathers (the kernel's plans: see test_native_*)
     whole_rows = len(c) == cols.numel() and len(r) < rows.numel()
     whole_kernels = len(c) < cols.numel() and shape[2] * shape[3] > 1 and \
         torch.equal(cols.view(shape[1], -1).all(1).repeat_interleave(shape[2] * shape[3]), cols)
