@@ -52,92 +52,81 @@ static void init_luts(void) {
 
 #define KEPT(p, j) ((p)->bits[(j) >> 3] >> ((j) & 7) & 1)
 
-/* The scalar tails (and whole rows without AVX2), from block b on; o / i: the block's place in the compact row. */
-#define COMPRESS_TAIL(T) \
-    for (int64_t j = 8 * b, o = p->offs[b]; j < p->n; j++) if (KEPT(p, j)) dst[o++] = src[j];
-#define EXPAND_TAIL(T) \
-    for (int64_t j = 8 * b, i = p->offs[b]; j < p->n; j++) dst[j] = KEPT(p, j) ? src[i++] : (T)0;
+typedef uint32_t u32_t;
+typedef uint64_t u64_t;
 
-static void compress_row_u32(const cols_t* p, const uint32_t* src, uint32_t* dst) { int64_t b = 0; COMPRESS_TAIL(uint32_t) }
-static void expand_row_u32(const cols_t* p, const uint32_t* src, uint32_t* dst) { int64_t b = 0; EXPAND_TAIL(uint32_t) }
-static void compress_row_u64(const cols_t* p, const uint64_t* src, uint64_t* dst) { int64_t b = 0; COMPRESS_TAIL(uint64_t) }
-static void expand_row_u64(const cols_t* p, const uint64_t* src, uint64_t* dst) { int64_t b = 0; EXPAND_TAIL(uint64_t) }
+/* Without AVX2: one element at a time. */
+#define SCALAR_ROW_FUNCTIONS(T)                                                                              \
+    static void compress_row_##T(const cols_t* p, const T##_t* src, T##_t* dst) {                            \
+        for (int64_t j = 0, o = 0; j < p->n; j++) if (KEPT(p, j)) dst[o++] = src[j];                         \
+    }                                                                                                        \
+    static void expand_row_##T(const cols_t* p, const T##_t* src, T##_t* dst) {                              \
+        for (int64_t j = 0, i = 0; j < p->n; j++) dst[j] = KEPT(p, j) ? src[i++] : 0;                        \
+    }
+SCALAR_ROW_FUNCTIONS(u32)
+SCALAR_ROW_FUNCTIONS(u64)
 
 #ifdef PX_X86
 #define AVX2 __attribute__((target("avx2")))
+#define LOAD(p) _mm256_loadu_si256((const __m256i*)(p))
+#define TABLE(t) _mm256_load_si256((const __m256i*)(t))
+#define STORE(p, v) _mm256_storeu_si256((__m256i*)(p), v)
 
-/* A whole-vector store of block b writes 8 lanes from offs[b]: the stray lanes past its kept ones are
- * overwritten by the next block, and vb stops before any store (or expand's load) could pass the row's end. */
-AVX2 static void compress_row_u32_avx2(const cols_t* p, const uint32_t* src, uint32_t* dst) {
-    /* locals: dst may alias *p as far as C knows, and reloading p's fields each block halves the speed */
-    const uint8_t* restrict bits = p->bits;
-    const int32_t* restrict offs = p->offs;
-    const int64_t vb = p->vb;
-    int64_t b = 0;
-    for (; b < vb; b++) {
-        __m256i v = _mm256_loadu_si256((const __m256i*)(src + 8 * b));
-        v = _mm256_permutevar8x32_epi32(v, _mm256_load_si256((const __m256i*)lut32_pack[bits[b]]));
-        _mm256_storeu_si256((__m256i*)(dst + offs[b]), v);
-    }
-    COMPRESS_TAIL(uint32_t)
+/* One block of 8 columns: pack its kept elements to d (8 lanes are stored; those past the kept ones are
+ * strays), or spread them from s over 8 lanes with zeros between. */
+AVX2 static inline void pack_u32(const uint32_t* s, unsigned m, uint32_t* d) {
+    STORE(d, _mm256_permutevar8x32_epi32(LOAD(s), TABLE(lut32_pack[m])));
+}
+AVX2 static inline void unpack_u32(const uint32_t* s, unsigned m, uint32_t* d) {
+    STORE(d, _mm256_and_si256(_mm256_permutevar8x32_epi32(LOAD(s), TABLE(lut32_unpack[m])), TABLE(lut32_keep[m])));
+}
+/* 64-bit elements: the block is two vectors of 4, split by the nibbles of its mask byte. */
+AVX2 static inline void pack_u64(const uint64_t* s, unsigned m, uint64_t* d) {
+    STORE(d, _mm256_permutevar8x32_epi32(LOAD(s), TABLE(lut64_pack[m & 15])));
+    STORE(d + __builtin_popcount(m & 15), _mm256_permutevar8x32_epi32(LOAD(s + 4), TABLE(lut64_pack[m >> 4])));
+}
+AVX2 static inline void unpack_u64(const uint64_t* s, unsigned m, uint64_t* d) {
+    const uint64_t* s1 = s + __builtin_popcount(m & 15);
+    STORE(d, _mm256_and_si256(_mm256_permutevar8x32_epi32(LOAD(s), TABLE(lut64_unpack[m & 15])),
+                              TABLE(lut64_keep[m & 15])));
+    STORE(d + 4, _mm256_and_si256(_mm256_permutevar8x32_epi32(LOAD(s1), TABLE(lut64_unpack[m >> 4])),
+                                  TABLE(lut64_keep[m >> 4])));
 }
 
-AVX2 static void expand_row_u32_avx2(const cols_t* p, const uint32_t* src, uint32_t* dst) {
-    /* locals: dst may alias *p as far as C knows, and reloading p's fields each block halves the speed */
-    const uint8_t* restrict bits = p->bits;
-    const int32_t* restrict offs = p->offs;
-    const int64_t vb = p->vb;
-    int64_t b = 0;
-    for (; b < vb; b++) {
-        unsigned m = bits[b];
-        __m256i v = _mm256_loadu_si256((const __m256i*)(src + offs[b]));
-        v = _mm256_permutevar8x32_epi32(v, _mm256_load_si256((const __m256i*)lut32_unpack[m]));
-        v = _mm256_and_si256(v, _mm256_load_si256((const __m256i*)lut32_keep[m]));
-        _mm256_storeu_si256((__m256i*)(dst + 8 * b), v);
+/* Whole rows, blocks independent (offs[b]: where block b's kept elements go). A block's stray lanes are
+ * overwritten by the next block's; blocks [0, vb) are those whose 8 lanes stay inside the row's c outputs.
+ * The rest (the row's last <= 7 kept elements, and a partial last block) go through a 16-element scratch,
+ * so no access leaves the row: no race between threads, no read past the tensor. Bits past column n are 0. */
+#define ROW_FUNCTIONS(T)                                                                                     \
+    AVX2 static void compress_row_##T##_avx2(const cols_t* p, const T##_t* src, T##_t* dst) {                 \
+        /* locals: dst may alias *p as far as C knows, and reloading p's fields each block halves the speed */ \
+        const uint8_t* restrict bits = p->bits;                                                              \
+        const int32_t* restrict offs = p->offs;                                                              \
+        const int64_t vb = p->vb, nb = p->n / 8, rem = p->n % 8, base = offs[vb];                           \
+        T##_t scratch[16], last[8] = {0};                                                                    \
+        for (int64_t b = 0; b < vb; b++) pack_##T(src + 8 * b, bits[b], dst + offs[b]);                      \
+        for (int64_t b = vb; b < nb; b++) pack_##T(src + 8 * b, bits[b], scratch + offs[b] - base);          \
+        if (rem) {                                                                                           \
+            memcpy(last, src + 8 * nb, (size_t)rem * sizeof(T##_t));                                         \
+            pack_##T(last, bits[nb], scratch + offs[nb] - base);                                             \
+        }                                                                                                    \
+        memcpy(dst + base, scratch, (size_t)(p->c - base) * sizeof(T##_t));                                  \
+    }                                                                                                        \
+    AVX2 static void expand_row_##T##_avx2(const cols_t* p, const T##_t* src, T##_t* dst) {                   \
+        const uint8_t* restrict bits = p->bits;                                                              \
+        const int32_t* restrict offs = p->offs;                                                              \
+        const int64_t vb = p->vb, nb = p->n / 8, rem = p->n % 8, base = offs[vb];                           \
+        T##_t scratch[16] = {0}, last[8];                                                                    \
+        for (int64_t b = 0; b < vb; b++) unpack_##T(src + offs[b], bits[b], dst + 8 * b);                    \
+        memcpy(scratch, src + base, (size_t)(p->c - base) * sizeof(T##_t));                                  \
+        for (int64_t b = vb; b < nb; b++) unpack_##T(scratch + offs[b] - base, bits[b], dst + 8 * b);        \
+        if (rem) {                                                                                           \
+            unpack_##T(scratch + offs[nb] - base, bits[nb], last);                                           \
+            memcpy(dst + 8 * nb, last, (size_t)rem * sizeof(T##_t));                                         \
+        }                                                                                                    \
     }
-    EXPAND_TAIL(uint32_t)
-}
-
-/* 64-bit elements: each block of 8 is two vectors of 4, split by the nibbles of its mask byte. */
-AVX2 static void compress_row_u64_avx2(const cols_t* p, const uint64_t* src, uint64_t* dst) {
-    /* locals: dst may alias *p as far as C knows, and reloading p's fields each block halves the speed */
-    const uint8_t* restrict bits = p->bits;
-    const int32_t* restrict offs = p->offs;
-    const int64_t vb = p->vb;
-    int64_t b = 0;
-    for (; b < vb; b++) {
-        unsigned m = bits[b], lo = m & 15;
-        int64_t o = offs[b];
-        __m256i v0 = _mm256_loadu_si256((const __m256i*)(src + 8 * b));
-        __m256i v1 = _mm256_loadu_si256((const __m256i*)(src + 8 * b + 4));
-        v0 = _mm256_permutevar8x32_epi32(v0, _mm256_load_si256((const __m256i*)lut64_pack[lo]));
-        v1 = _mm256_permutevar8x32_epi32(v1, _mm256_load_si256((const __m256i*)lut64_pack[m >> 4]));
-        _mm256_storeu_si256((__m256i*)(dst + o), v0);
-        _mm256_storeu_si256((__m256i*)(dst + o + __builtin_popcount(lo)), v1);
-    }
-    COMPRESS_TAIL(uint64_t)
-}
-
-AVX2 static void expand_row_u64_avx2(const cols_t* p, const uint64_t* src, uint64_t* dst) {
-    /* locals: dst may alias *p as far as C knows, and reloading p's fields each block halves the speed */
-    const uint8_t* restrict bits = p->bits;
-    const int32_t* restrict offs = p->offs;
-    const int64_t vb = p->vb;
-    int64_t b = 0;
-    for (; b < vb; b++) {
-        unsigned m = bits[b], lo = m & 15, hi = m >> 4;
-        int64_t i = offs[b];
-        __m256i v0 = _mm256_loadu_si256((const __m256i*)(src + i));
-        __m256i v1 = _mm256_loadu_si256((const __m256i*)(src + i + __builtin_popcount(lo)));
-        v0 = _mm256_permutevar8x32_epi32(v0, _mm256_load_si256((const __m256i*)lut64_unpack[lo]));
-        v1 = _mm256_permutevar8x32_epi32(v1, _mm256_load_si256((const __m256i*)lut64_unpack[hi]));
-        v0 = _mm256_and_si256(v0, _mm256_load_si256((const __m256i*)lut64_keep[lo]));
-        v1 = _mm256_and_si256(v1, _mm256_load_si256((const __m256i*)lut64_keep[hi]));
-        _mm256_storeu_si256((__m256i*)(dst + 8 * b), v0);
-        _mm256_storeu_si256((__m256i*)(dst + 8 * b + 4), v1);
-    }
-    EXPAND_TAIL(uint64_t)
-}
+ROW_FUNCTIONS(u32)
+ROW_FUNCTIONS(u64)
 #endif
 
 #ifdef PX_X86
@@ -203,9 +192,9 @@ static PyObject* run(PyObject* const* args, Py_ssize_t nargs, int expand) {
     }
     Py_BEGIN_ALLOW_THREADS
     if (elem == 4) {
-        if (expand) EXPAND_ROWS(uint32_t, expand_row_u32) else COMPRESS_ROWS(uint32_t, compress_row_u32)
+        if (expand) EXPAND_ROWS(u32_t, expand_row_u32) else COMPRESS_ROWS(u32_t, compress_row_u32)
     } else {
-        if (expand) EXPAND_ROWS(uint64_t, expand_row_u64) else COMPRESS_ROWS(uint64_t, compress_row_u64)
+        if (expand) EXPAND_ROWS(u64_t, expand_row_u64) else COMPRESS_ROWS(u64_t, compress_row_u64)
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
