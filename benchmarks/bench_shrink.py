@@ -89,7 +89,7 @@ class EnginePacking:
 
     def pack(self):
         for w, (r, c), v, plan in zip(self.ws, self.idx, self.layout.views, self.plans):
-            sparsity.shrink(w, r, c, out=v, plan=plan)
+            sparsity.shrink_into(w, r, c, v, plan=plan)   # as a round does
 
     def unpack(self):
         for w, (r, c), v, gth, plan, f in zip(self.ws, self.idx, self.layout.views, self.gathers, self.plans,

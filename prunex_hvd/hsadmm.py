@@ -219,7 +219,7 @@ class HSADMM:
             for k, e in enumerate(self.entries):
                 c = z_i_new[k] + e.v
                 if e.structured:
-                    sparsity.shrink(c, e.row_idx, e.col_idx, out=layout.views[k], plan=e.plan)
+                    sparsity.shrink_into(c, e.row_idx, e.col_idx, layout.views[k], plan=e.plan)
                 else:
                     layout.views[k].copy_(c.reshape(-1))
             for j in range(len(self.buffers)):

@@ -441,7 +441,8 @@ class KernelPlan(NamedTuple):
     all of them), and the first ``vector_blocks`` bytes can be moved as whole SIMD vectors without a store
     leaving the row."""
     numel: int                      # of the full tensor
-    block_shape: Tuple[int, int]    # of the compact block
+    block_numel: int                # of the compact block
+    block_shape: Tuple[int, int]
     n_rows: int
     n_cols: int
     rows: Optional[Tensor]
@@ -472,25 +473,25 @@ def kernel_plan(row_idx, col_idx, shape) -> Optional[KernelPlan]:
     # A block's vector may reach 8 elements past its first kept one: only those ending inside the row qualify.
     vector_blocks = int(((offs[: n_cols // 8] + 8) <= c).sum())
     rows = None if r == n_rows else row_idx.contiguous()
-    return KernelPlan(shape.numel(), (r, c), n_rows, n_cols, rows, bits, offs, vector_blocks)
+    return KernelPlan(shape.numel(), r * c, (r, c), n_rows, n_cols, rows, bits, offs, vector_blocks)
 
 
 def _run_kernel(expand: bool, plan: KernelPlan, full: Tensor, block: Tensor) -> bool:
     """One kernel pass, ``full`` → ``block`` (shrink) or back (``expand``), if the tensors are what it takes
     (CPU, contiguous, one 4- or 8-byte dtype, the plan's sizes); else False, for ATen's path. Kept lean: on a
     small layer this Python takes as long as the pass itself."""
-    size = full.element_size()
-    r, c = plan.block_shape
-    if (full.dtype != block.dtype or size not in (4, 8) or not (full.is_cpu and block.is_cpu)
-            or full.numel() != plan.numel or block.numel() != r * c
-            or not (full.is_contiguous() and block.is_contiguous())):
+    if not (full.dtype is block.dtype and full.is_cpu and block.is_cpu and full.numel() == plan.numel
+            and block.numel() == plan.block_numel and full.is_contiguous() and block.is_contiguous()):
         return False
-    kernel = native.module()
+    size = full.element_size()
+    if size != 4 and size != 8:
+        return False
     src, dst = (block, full) if expand else (full, block)
-    threads = torch.get_num_threads() if plan.numel >= _PARALLEL_NUMEL else 1
-    (kernel.expand if expand else kernel.compress)(
-        src.data_ptr(), dst.data_ptr(), size, threads, plan.n_rows, 0 if plan.rows is None else plan.rows.data_ptr(),
-        r, plan.bits.data_ptr(), plan.offs.data_ptr(), plan.n_cols, c, plan.vector_blocks)
+    rows = plan.rows
+    (native.expand if expand else native.compress)(
+        src.data_ptr(), dst.data_ptr(), size, torch.get_num_threads() if plan.numel >= _PARALLEL_NUMEL else 1, plan.n_rows,
+        0 if rows is None else rows.data_ptr(), plan.block_shape[0], plan.bits.data_ptr(), plan.offs.data_ptr(),
+        plan.n_cols, plan.block_shape[1], plan.vector_blocks)
     return True
 
 
@@ -584,7 +585,7 @@ def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None, plan:
         if out is not None or not tensor.requires_grad:
             block = out if out is not None else torch.empty(plan.block_shape, dtype=tensor.dtype)
             if _run_kernel(False, plan, tensor, block):
-                return block.view(plan.block_shape)
+                return block.view(*plan.block_shape)
         plan = None   # a dtype or layout the kernel does not take: ATen's path
     if plan is not None and tensor.is_contiguous():
         # Kept lean: on a GPU every microsecond of Python here is as long as the gather itself.
@@ -619,6 +620,13 @@ def shrink(tensor: Tensor, row_idx, col_idx, out: Optional[Tensor] = None, plan:
     return o
 
 
+def shrink_into(tensor: Tensor, row_idx, col_idx, out: Tensor, plan: Optional[Plan] = None) -> None:
+    """:func:`shrink` into ``out`` without the 2-D view of it that :func:`shrink` returns: what a round calls
+    for every layer (on a small layer on CPU, making that view costs a third of the kernel's pass)."""
+    if not (isinstance(plan, KernelPlan) and _run_kernel(False, plan, tensor, out)):
+        shrink(tensor, row_idx, col_idx, out=out, plan=plan)
+
+
 def recover(compact: Tensor, row_idx, col_idx, shape, out: Optional[Tensor] = None,
             plan: Optional[Plan] = None) -> Tensor:
     """Inverse of :func:`shrink`: a tensor of ``shape``, zero except at ``row_idx × col_idx`` (gemm view).
@@ -633,7 +641,7 @@ def recover(compact: Tensor, row_idx, col_idx, shape, out: Optional[Tensor] = No
     if isinstance(plan, KernelPlan):
         # as in shrink: out=, or a block that needs no grad; anything the kernel does not take goes on below
         if out is None and not compact.requires_grad:
-            dst = torch.empty(plan.numel, dtype=compact.dtype).view(shape)
+            dst = torch.empty(shape, dtype=compact.dtype)
         else:
             dst = out if out is not None and out.shape == shape else None
         if dst is not None and _run_kernel(True, plan, dst, compact):

@@ -11,7 +11,7 @@ import torch
 
 from prunex_hvd import native
 from prunex_hvd.sparsity import (KernelPlan, apply_masks, gather_plan, gemm_view, masks_to_indices, recover,
-                                 shrink, structured_masks)
+                                 shrink, shrink_into, structured_masks)
 
 needs_kernel = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.describe()}")
 
@@ -56,6 +56,10 @@ def test_kernel_matches_aten_on_random_column_sets(shape, row_keep, col_keep):
         assert torch.equal(shrink(w, r, c, out=view, plan=plan), want)
         assert buf[:13].isnan().all() and buf[13 + view.numel():].isnan().all()
         assert torch.equal(shrink(w, r, c, plan=plan), want)
+        view.fill_(float("nan"))
+        shrink_into(w, r, c, view, plan=plan)
+        assert torch.equal(view, want.reshape(-1))
+        assert buf[:13].isnan().all() and buf[13 + view.numel():].isnan().all()
         full = torch.full_like(w, float("nan"))
         assert torch.equal(recover(view, r, c, w.shape, out=full, plan=plan), apply_masks(w, rows, cols))
         assert torch.equal(recover(view, r, c, w.shape, plan=plan), apply_masks(w, rows, cols))
@@ -78,6 +82,9 @@ def test_kernel_dtypes_and_the_ones_it_leaves_to_aten(dtype):
         assert torch.equal(shrink(w, r, c, out=torch.empty(want.numel(), dtype=dtype), plan=plan), want)
         assert torch.equal(shrink(w, r, c, out=torch.empty(want.numel(), dtype=torch.float32), plan=plan),
                            want.float())
+        into = torch.empty(want.numel(), dtype=torch.float32)   # another dtype: ATen casts
+        shrink_into(w, r, c, into, plan=plan)
+        assert torch.equal(into, want.float().reshape(-1))
         full = torch.ones_like(w)
         assert torch.equal(recover(want, r, c, w.shape, out=full, plan=plan), apply_masks(w, rows, cols))
         assert torch.equal(recover(want, r, c, w.shape, plan=plan), apply_masks(w, rows, cols))

@@ -27,6 +27,8 @@ from typing import Optional
 
 _SOURCE = Path(__file__).with_name("maskcopy.c")
 _state = {"module": None, "why": None, "tried": False}
+# The kernel's two entry points, once module() has loaded it (see maskcopy.c for their arguments).
+compress = expand = None
 
 
 def cache_dir() -> Path:
@@ -80,6 +82,8 @@ def module():
         if not path.exists():
             _compile(path)
         _state["module"] = _load(path)
+        global compress, expand
+        compress, expand = _state["module"].compress, _state["module"].expand
     except Exception as exc:   # any failure: ATen's paths still give the same results
         _state["why"] = f"unavailable: {exc}"
         warnings.warn(f"prunex_hvd: the native shrink/recover kernel is {_state['why']}; using ATen's "
