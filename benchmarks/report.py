@@ -104,6 +104,11 @@ def shrink(d: dict, out: str, md: List[str]) -> List[str]:
         xs = range(len(cases))
         ax.bar([x - 0.2 for x in xs], [c["shrink_vs_copy"] for c in cases], 0.4, label="shrink / copy")
         ax.bar([x + 0.2 for x in xs], [c["recover_vs_copy"] for c in cases], 0.4, label="recover / copy")
+        aten = "shrink_vs_copy_aten" in cases[0]   # CPU: the same cases through ATen alone, side by side
+        if aten:
+            ax.plot([x - 0.2 for x in xs], [c["shrink_vs_copy_aten"] for c in cases], "k_", ms=9, mew=2,
+                    label="ATen alone (no kernel)")
+            ax.plot([x + 0.2 for x in xs], [c["recover_vs_copy_aten"] for c in cases], "k_", ms=9, mew=2)
         ax.axhline(0.5, color="k", lw=0.8, ls="--")
         ax.set_xticks(list(xs), labels, rotation=90, fontsize=6)
         ax.set(title=f"Shrink / recover throughput vs a copy of the same tensor ({dev})", ylabel="× copy")
@@ -113,12 +118,20 @@ def shrink(d: dict, out: str, md: List[str]) -> List[str]:
         md += ["", f"## Shrink + recover vs copy (bench_shrink, {dev})", "",
                f"per layer: median shrink {r['median_shrink_vs_copy']:.2f}×, recover "
                f"{r['median_recover_vs_copy']:.2f}× of copying the same tensor (target ≥ 0.5); shrink against "
-               f"copying only the compact bytes: {r.get('median_shrink_vs_copy_compact', float('nan')):.2f}×."]
+               f"copying only the compact bytes: {r.get('median_shrink_vs_copy_compact', float('nan')):.2f}×; "
+               f"lowest: shrink {r['min_shrink_vs_copy']:.2f}×, recover {r['min_recover_vs_copy']:.2f}×."]
+
+        def pair(c, suffix=""):
+            return f"{c['shrink_vs_copy' + suffix]:.2f} / {c['recover_vs_copy' + suffix]:.2f}"
+        extra = " | ATen alone" if aten else ""
+        md += ["", f"| layer | spec | by | shrink / recover × copy{extra} |", "|---|---|---|---:|" + "---:|" * aten]
+        md += [f"| {'×'.join(map(str, c['shape']))} | {c['spec']} | {c['recover_by']} | {pair(c)}"
+               + (f" | {pair(c, '_aten')}" if aten else "") + " |" for c in cases]
         if r.get("models"):
-            md += ["", "| model | spec | conv MB | compact MB | shrink × dense pack | recover × dense unpack |",
-                   "|---|---|---:|---:|---:|---:|"]
-            md += [f"| {m['model']} | {m['spec']} | {m['conv_MB']:.1f} | {m['compact_MB']:.1f} | "
-                   f"{m['shrink_vs_copy']:.2f} | {m['recover_vs_copy']:.2f} |" for m in r["models"]]
+            md += ["", f"| model | spec | conv MB | compact MB | shrink / recover × dense pack / unpack{extra} |",
+                   "|---|---|---:|---:|---:|" + "---:|" * aten]
+            md += [f"| {m['model']} | {m['spec']} | {m['conv_MB']:.1f} | {m['compact_MB']:.1f} | {pair(m)}"
+                   + (f" | {pair(m, '_aten')}" if aten else "") + " |" for m in r["models"]]
     return paths
 
 
