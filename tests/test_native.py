@@ -33,11 +33,19 @@ SHAPES = [(1, 1, 1, 1), (3, 5, 1, 1), (7, 1, 1, 9), (16, 8, 3, 3), (33, 17, 1, 1
           (64, 64, 3, 3), (300, 130, 1, 1)]
 
 
+@pytest.fixture(params=["simd", "scalar"])
+def loops(request):
+    """Each case on both the AVX2 loops and the scalar ones (what a CPU without AVX2 runs)."""
+    before = native.module().use_simd(request.param == "simd")
+    yield request.param
+    native.module().use_simd(before)
+
+
 @needs_kernel
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("row_keep,col_keep", [(1.0, 0.5), (0.5, 0.5), (1.0, 0.1), (0.6, 0.95), (0.3, 0.0),
                                                 (1.0, 0.99), (0.5, 1.0), (0.0, 0.5)])
-def test_kernel_matches_aten_on_random_column_sets(shape, row_keep, col_keep):
+def test_kernel_matches_aten_on_random_column_sets(shape, row_keep, col_keep, loops):
     gen = torch.Generator().manual_seed(hash((shape, row_keep, col_keep)) % 2**31)
     w = torch.randn(shape, generator=gen)
     n_rows, n_cols = gemm_view(w).shape
@@ -70,7 +78,7 @@ def test_kernel_matches_aten_on_random_column_sets(shape, row_keep, col_keep):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16])
-def test_kernel_dtypes_and_the_ones_it_leaves_to_aten(dtype):
+def test_kernel_dtypes_and_the_ones_it_leaves_to_aten(dtype, loops):
     """4- and 8-byte elements take the kernel; others (and mixed dtypes) fall back to ATen, same results."""
     w = (torch.randn(24, 10, 3, 3) * 100).to(dtype)
     for spec in ["shape:0.5", "channel:0.5", "filter:0.5+channel:0.3", "filter:0.7+channel:0.5+shape:0.5"]:
@@ -92,7 +100,7 @@ def test_kernel_dtypes_and_the_ones_it_leaves_to_aten(dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_kernel_splits_rows_over_threads(threads):
+def test_kernel_splits_rows_over_threads(threads, loops):
     """Large layers run on torch's threads: every split gives the same result, every element written once."""
     before = torch.get_num_threads()
     try:

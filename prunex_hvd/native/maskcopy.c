@@ -204,10 +204,21 @@ static PyObject* compress(PyObject* Py_UNUSED(self), PyObject* const* args, Py_s
 static PyObject* expand(PyObject* Py_UNUSED(self), PyObject* const* args, Py_ssize_t nargs) { return run(args, nargs, 1); }
 static PyObject* simd(PyObject* Py_UNUSED(self), PyObject* Py_UNUSED(unused)) { return PyUnicode_FromString(have_avx2 ? "avx2" : "scalar"); }
 
+/* Tests: run the scalar loops on an AVX2 machine too (use_simd(False)), and back. Returns the previous state. */
+static PyObject* use_simd(PyObject* Py_UNUSED(self), PyObject* flag) {
+    int previous = have_avx2, on = PyObject_IsTrue(flag);
+    if (on < 0) return NULL;
+#ifdef PX_X86
+    have_avx2 = on && __builtin_cpu_supports("avx2");
+#endif
+    return PyBool_FromLong(previous);
+}
+
 static PyMethodDef methods[] = {
     {"compress", (PyCFunction)(void (*)(void))compress, METH_FASTCALL, "Pack the kept block (see maskcopy.c)."},
     {"expand", (PyCFunction)(void (*)(void))expand, METH_FASTCALL, "Spread the kept block back (see maskcopy.c)."},
     {"simd", simd, METH_NOARGS, "'avx2' or 'scalar': the loops in use."},
+    {"use_simd", use_simd, METH_O, "Turn the AVX2 loops off or on (tests); returns the previous state."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_maskcopy", NULL, -1, methods, NULL, NULL, NULL, NULL};
