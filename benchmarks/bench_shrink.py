@@ -9,10 +9,10 @@ Throughput ratio = copy time / our time (1.0: as fast as a copy; bytes/s of the 
 ``shrink_vs_copy_compact`` is the stricter figure against copying only the compact block's bytes.
 
 Both run as the engine runs them: each layer's ``sparsity.gather_plan`` is computed once (the engine caches
-it while masks hold). On CPU a layer with pruned columns then takes the native kernel (``prunex_hvd.native``:
-one pass each way); whole rows, and every structure on CUDA, take one gather each way, recover gathering
+it while masks hold). On CPU every pruned layer then takes the native kernel (``prunex_hvd.native``:
+one pass each way); on CUDA every structure takes one gather each way, recover gathering
 from the bucket slice whose pruned chunks read the bucket's unsent zero tail. On CPU the same cases also run
-through ATen alone (``*_aten``: ``gather_plan(native=False)``, what runs where the kernel cannot be built),
+through ATen alone (``*_aten``: ``gather_plan(use_kernel=False)``, what runs where the kernel cannot be built),
 interleaved with the rest. Timings are medians over interleaved repetitions. Target ≥ 0.5 for shrink and
 recover against the tensor copy. CPU always; CUDA when a GPU is present (synchronised timings).
 """
@@ -78,12 +78,12 @@ def recovered_by(plan) -> str:
 
 class EnginePacking:
     """Conv weights packed into one compact bucket and unpacked, as a consensus round does: plans computed once
-    (``native=False``: ATen's plans only), ``pack()`` shrinks every layer into its slice, ``unpack()`` recovers
+    (``use_kernel=False``: ATen's plans only), ``pack()`` shrinks every layer into its slice, ``unpack()`` recovers
     every layer into a preallocated tensor."""
 
-    def __init__(self, ws, idx, device, native=True):
+    def __init__(self, ws, idx, device, use_kernel=True):
         self.ws, self.idx = ws, idx
-        self.plans = [sparsity.gather_plan(r, c, w.shape, native=native) for w, (r, c) in zip(ws, idx)]
+        self.plans = [sparsity.gather_plan(r, c, w.shape, use_kernel=use_kernel) for w, (r, c) in zip(ws, idx)]
         self.layout, self.gathers = packing(idx, self.plans, device)
         self.fulls = [torch.empty_like(w) for w in ws]
 
@@ -108,7 +108,7 @@ def engine_and_aten(ws, masks, device):
     idx = [sparsity.masks_to_indices(rows, cols) for rows, cols in masks]
     runs = {"": EnginePacking(ws, idx, device)}
     if device.type == "cpu":
-        runs["_aten"] = EnginePacking(ws, idx, device, native=False)
+        runs["_aten"] = EnginePacking(ws, idx, device, use_kernel=False)
     ops = {}
     for suffix, run in runs.items():
         run.check(masks)

@@ -487,11 +487,11 @@ def _run_kernel(expand: bool, plan: KernelPlan, full: Tensor, block: Tensor) -> 
     if size != 4 and size != 8:
         return False
     src, dst = (block, full) if expand else (full, block)
-    rows = plan.rows
+    rows = 0 if plan.rows is None else plan.rows.data_ptr()
+    threads = torch.get_num_threads() if plan.numel >= _PARALLEL_NUMEL else 1
     (native.expand if expand else native.compress)(
-        src.data_ptr(), dst.data_ptr(), size, torch.get_num_threads() if plan.numel >= _PARALLEL_NUMEL else 1, plan.n_rows,
-        0 if rows is None else rows.data_ptr(), plan.block_shape[0], plan.bits.data_ptr(), plan.offs.data_ptr(),
-        plan.n_cols, plan.block_shape[1], plan.vector_blocks)
+        src.data_ptr(), dst.data_ptr(), size, threads, plan.n_rows, rows, plan.block_shape[0], plan.bits.data_ptr(),
+        plan.offs.data_ptr(), plan.n_cols, plan.block_shape[1], plan.vector_blocks)
     return True
 
 
@@ -507,14 +507,14 @@ def _kernel_chunks(row_idx: Tensor, col_idx: Tensor, shape: torch.Size) -> Optio
 Plan = Union[GatherPlan, KernelPlan]
 
 
-def gather_plan(row_idx, col_idx, shape, native: bool = True) -> Optional[Plan]:
+def gather_plan(row_idx, col_idx, shape, use_kernel: bool = True) -> Optional[Plan]:
     """How to shrink and recover a layer with these index sets, computed once per mask (pass it as ``plan=``):
     None for a dense set (a plain copy); on CPU a :class:`KernelPlan` (the native kernel; where it is
     unavailable, a :class:`GatherPlan` of whole rows, or of whole kernels if the columns are whole channels,
     else None: single-element gathers there are slower than a scatter).
 
     On CUDA every structure gets a :class:`GatherPlan`: each kernel launch costs about what copying a layer
-    does, so one gather beats the two or three launches of the general path. ``native=False``: no
+    does, so one gather beats the two or three launches of the general path. ``use_kernel=False``: no
     :class:`KernelPlan` (ATen's paths only, as where the kernel cannot be built)."""
     shape = torch.Size(shape)
     n_rows = shape[0]
@@ -524,8 +524,8 @@ def gather_plan(row_idx, col_idx, shape, native: bool = True) -> Optional[Plan]:
     r, c = row_idx.numel(), col_idx.numel()
     if (r, c) == (n_rows, n_cols):
         return None
-    if native and device.type == "cpu" and (columns := kernel_plan(row_idx, col_idx, shape)) is not None:
-        return columns
+    if use_kernel and device.type == "cpu" and (kplan := kernel_plan(row_idx, col_idx, shape)) is not None:
+        return kplan
     if c == n_cols:
         chunk, kept = n_cols, row_idx
     elif device.type == "cuda":

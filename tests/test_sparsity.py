@@ -454,7 +454,7 @@ def test_shrink_non_contiguous_inputs():
 def test_cached_gather_plan_gives_the_same_blocks(spec, native):
     w = torch.randn(12, 6, 3, 3)
     r, c = masks_to_indices(*structured_masks(w, spec))
-    plan = gather_plan(r, c, w.shape, native=native)
+    plan = gather_plan(r, c, w.shape, use_kernel=native)
     if native and native_kernel.available():       # on CPU the kernel takes every structure
         assert isinstance(plan, KernelPlan)
     else:                                          # ATen: whole rows or whole kernels only
@@ -477,7 +477,7 @@ def test_recover_gather_from_a_bucket_with_a_zero_tail(shape, spec):
     w = torch.randn(shape)
     rows, cols = structured_masks(w, spec)
     r, c = masks_to_indices(rows, cols)
-    plan = gather_plan(r, c, w.shape, native=False)   # the gathers (the kernel's plans: see test_native_*)
+    plan = gather_plan(r, c, w.shape, use_kernel=False)   # the gathers (the kernel's plans: see test_native_*)
     whole_rows = len(c) == cols.numel() and len(r) < rows.numel()
     whole_kernels = len(c) < cols.numel() and shape[2] * shape[3] > 1 and \
         torch.equal(cols.view(shape[1], -1).all(1).repeat_interleave(shape[2] * shape[3]), cols)
