@@ -436,15 +436,13 @@ class KernelPlan(NamedTuple):
     """CPU: shrink and recover of a row and column subset as one pass each of the native kernel
     (:mod:`prunex_hvd.native`).
 
-    The kept rows (``rows``; None when every row is kept) all keep the same ``kept_cols`` columns: ``bits`` is
-    that column mask packed 8 columns to a byte, ``offs[b]`` the kept columns before byte ``b`` (``offs[-1]``
+    The kept rows (``rows``; None when every row is kept) all keep the same ``block_shape[1]`` columns: ``bits``
+    is that column mask packed 8 columns to a byte, ``offs[b]`` the kept columns before byte ``b`` (``offs[-1]``
     all of them), and the first ``vector_blocks`` bytes can be moved as whole SIMD vectors without a store
     leaving the row."""
-    numel: int                      # of the full tensor
-    block_numel: int                # of the compact block
-    block_shape: Tuple[int, int]
     n_rows: int
     n_cols: int
+    block_shape: Tuple[int, int]
     rows: Optional[Tensor]
     bits: Tensor
     offs: Tensor
@@ -455,43 +453,40 @@ class KernelPlan(NamedTuple):
 _PARALLEL_NUMEL = 32768
 
 
-def kernel_plan(row_idx, col_idx, shape) -> Optional[KernelPlan]:
-    """The :class:`KernelPlan` of these index sets (CPU), or None where the native kernel is not available or
-    not needed (a dense set: a plain copy)."""
-    shape = torch.Size(shape)
-    n_rows = shape[0]
-    n_cols = shape.numel() // n_rows if n_rows else 0
-    row_idx, col_idx = _idx(row_idx, "cpu"), _idx(col_idx, "cpu")
-    r, c = row_idx.numel(), col_idx.numel()
-    if (r, c) == (n_rows, n_cols) or native.module() is None:
+def _kernel_plan(row_idx: Tensor, col_idx: Tensor, n_rows: int, n_cols: int) -> Optional[KernelPlan]:
+    """:func:`gather_plan`'s :class:`KernelPlan` for a CPU, non-dense index set; None without the kernel."""
+    if native.module() is None:
         return None
     mask = torch.zeros(-(-n_cols // 8) * 8, dtype=torch.uint8)
     mask[col_idx] = 1
     bits = (mask.view(-1, 8) << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
     offs = torch.zeros(bits.numel() + 1, dtype=torch.int32)
     torch.cumsum(mask.view(-1, 8).sum(1, dtype=torch.int32), 0, out=offs[1:])
+    r, c = row_idx.numel(), col_idx.numel()
     # A block's vector may reach 8 elements past its first kept one: only those ending inside the row qualify.
     vector_blocks = int(((offs[: n_cols // 8] + 8) <= c).sum())
     rows = None if r == n_rows else row_idx.contiguous()
-    return KernelPlan(shape.numel(), r * c, (r, c), n_rows, n_cols, rows, bits, offs, vector_blocks)
+    return KernelPlan(n_rows, n_cols, (r, c), rows, bits, offs, vector_blocks)
 
 
 def _run_kernel(expand: bool, plan: KernelPlan, full: Tensor, block: Tensor) -> bool:
     """One kernel pass, ``full`` → ``block`` (shrink) or back (``expand``), if the tensors are what it takes
     (CPU, contiguous, one 4- or 8-byte dtype, the plan's sizes); else False, for ATen's path. Kept lean: on a
     small layer this Python takes as long as the pass itself."""
-    if not (full.dtype is block.dtype and full.is_cpu and block.is_cpu and full.numel() == plan.numel
-            and block.numel() == plan.block_numel and full.is_contiguous() and block.is_contiguous()):
+    numel = plan.n_rows * plan.n_cols
+    r, c = plan.block_shape
+    if not (full.dtype is block.dtype and full.is_cpu and block.is_cpu and full.numel() == numel
+            and block.numel() == r * c and full.is_contiguous() and block.is_contiguous()):
         return False
     size = full.element_size()
     if size != 4 and size != 8:
         return False
     src, dst = (block, full) if expand else (full, block)
     rows = 0 if plan.rows is None else plan.rows.data_ptr()
-    threads = torch.get_num_threads() if plan.numel >= _PARALLEL_NUMEL else 1
+    threads = torch.get_num_threads() if numel >= _PARALLEL_NUMEL else 1
     (native.expand if expand else native.compress)(
-        src.data_ptr(), dst.data_ptr(), size, threads, plan.n_rows, rows, plan.block_shape[0], plan.bits.data_ptr(),
-        plan.offs.data_ptr(), plan.n_cols, plan.block_shape[1], plan.vector_blocks)
+        src.data_ptr(), dst.data_ptr(), size, threads, plan.n_rows, rows, r, plan.bits.data_ptr(),
+        plan.offs.data_ptr(), plan.n_cols, c, plan.vector_blocks)
     return True
 
 
@@ -524,7 +519,7 @@ def gather_plan(row_idx, col_idx, shape, use_kernel: bool = True) -> Optional[Pl
     r, c = row_idx.numel(), col_idx.numel()
     if (r, c) == (n_rows, n_cols):
         return None
-    if use_kernel and device.type == "cpu" and (kplan := kernel_plan(row_idx, col_idx, shape)) is not None:
+    if use_kernel and device.type == "cpu" and (kplan := _kernel_plan(row_idx, col_idx, n_rows, n_cols)) is not None:
         return kplan
     if c == n_cols:
         chunk, kept = n_cols, row_idx
