@@ -3,6 +3,12 @@
 Notation (DESIGN.md): θ a rank's parameter, u its intra dual, z_i the node consensus, v_i the inter dual,
 z the global consensus; ρ1 (intra) and ρ2 (inter) penalties; λ the z-step weight decay; P ranks per node,
 M nodes. Duals are *scaled* (u = y/ρ), so a change of ρ must rescale them (:func:`rescale_dual`).
+
+Residuals follow consensus ADMM (Boyd et al. 2011, §7.1): for N copies x_k of one variable z̄, the primal
+residual is r = √(Σ_k ‖x_k − z̄‖²) and the dual one s = ρ√N‖z̄⁺ − z̄‖. H-SADMM has two tiers of copies: the
+M·P ranks' θ of their node's z_i (s_intra = ρ1√(P·Σ_i‖Δz_i‖²)) and the M nodes' z_i of the global z
+(s_inter = ρ2√M‖Δz‖). Counting the dual side once per node, as the primal side is counted once per rank,
+would bias residual balancing toward larger ρ.
 """
 from __future__ import annotations
 
@@ -15,14 +21,22 @@ MU = 10.0   # residual balance that triggers a ρ change (Boyd et al. 2011, §3.
 TAU = 2.0   # factor of a ρ change
 
 
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the consensus state (u, z_i, v, z) and its arithmetic use for a model of ``dtype``: float32 for
+    half-precision models (as AMP keeps float32 master weights: in float16, ρ2·z of weights ~1e-3 falls into
+    subnormals, and ρ1θ + ρ1(u − z_i) cancels in bfloat16), the model's own dtype otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def node_candidate(node_sum: torch.Tensor, z: torch.Tensor, v: torch.Tensor, rho1: float, rho2: float,
                    local_size: int, num_nodes: int, weight_decay_z: float = 0.0) -> torch.Tensor:
     """Exact minimiser over z_i of the augmented Lagrangian (:func:`node_objective`):
 
         z̃_i = (ρ1·Σ_j(θ_ij + u_ij) + ρ2·(z − v_i)) / (λ/M + P·ρ1 + ρ2)
 
-    ``node_sum`` is Σ_j(θ_ij + u_ij) over the node's P ranks. (The paper's Eq. 9 omits P and writes z_i^k
-    where z^k belongs.)"""
+    ``node_sum`` is Σ_j(θ_ij + u_ij) over the node's P ranks; it may arrive in a narrower dtype than ``z``
+    (the payload's) and is widened first. (The paper's Eq. 9 omits P and writes z_i^k where z^k belongs.)"""
+    node_sum = node_sum.to(z.dtype)
     denom = weight_decay_z / num_nodes + local_size * rho1 + rho2
     return (node_sum * rho1 + (z - v) * rho2) / denom
 
@@ -68,6 +82,11 @@ def sq_norm(t: torch.Tensor) -> torch.Tensor:
     """‖t‖² in float64, as a 0-dim tensor on ``t``'s device. Nothing waits for it: on a GPU a round reads all of
     its residual norms at once (one host sync per round, not four per layer)."""
     return torch.linalg.vector_norm(t, dtype=torch.float64).square()
+
+
+def dual_residual_sq(change_sq: torch.Tensor, rho: float, copies: int) -> torch.Tensor:
+    """s² = ρ²·N·‖Δz̄‖² for a consensus variable held in N copies (Boyd et al. §7.1)."""
+    return change_sq * (rho * rho * copies)
 
 
 def residual_norms(r_intra_sq: float, s_intra_sq: float, r_inter_sq: float, s_inter_sq: float

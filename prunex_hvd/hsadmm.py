@@ -13,6 +13,16 @@ Every rank of node i holds the same z_i, v_i and z; leaders (local rank 0) alone
     exactly the requested structure (then θ trains on it: the retraining phase)
 
 Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`HSADMM.add_proximal_grad`).
+
+Residuals count both tiers as consensus ADMM does (:mod:`prunex_hvd.admm`): s_intra = ρ1√(P·Σ_i‖Δz_i‖²),
+s_inter = ρ2√M‖Δz‖. With one node (or ``hierarchical=False``) there is no inter-node tier: z = z_i, r_inter is
+0 by construction, so ρ2 is not adapted and no inter residuals are reported.
+
+Precision: the consensus state and its arithmetic are float32 for float16/bfloat16 models
+(:func:`prunex_hvd.admm.state_dtype`); what travels (θ + u, the compact z) is in the model's dtype.
+
+The consensus model (:meth:`HSADMM.finalize`, :meth:`HSADMM.consensus_weights`) is the last round's: z and the
+float buffers averaged in that round, the same on every rank whatever steps were taken since.
 """
 from __future__ import annotations
 
@@ -92,12 +102,14 @@ class HSADMM:
             raise ValueError(f"the consensus packs every parameter and float buffer into shared buckets, so they "
                              f"must share one dtype and device; got dtypes {sorted(map(str, dtypes))}, devices "
                              f"{sorted(map(str, devices))}")
-        self.dtype, self.device = dtypes.pop(), devices.pop()
+        self.dtype, self.device = dtypes.pop(), devices.pop()   # the payload's dtype: the model's
+        self.state_dtype = admm.state_dtype(self.dtype)
+        self.inter_tier = topo.num_nodes > 1   # one node: z = z_i, nothing to balance across nodes
 
         self._broadcast_model(params)
         self.entries: List[Entry] = []
         for name, p in params:
-            theta = p.detach()
+            theta = p.detach().to(self.state_dtype)
             e = Entry(name, p, specs.get(name), u=torch.zeros_like(theta), z_i=theta.clone(),
                       v=torch.zeros_like(theta), z=theta.clone(), rho1=float(rho1), rho2=float(rho2))
             if e.structured:   # masks start all ones
@@ -108,6 +120,8 @@ class HSADMM:
         self.structured = [e for e in self.entries if e.structured]
         self.round = 0
         self.frozen = False
+        self.finalized = False
+        self._round_buffers = [b.clone() for _, b in self.buffers]   # averaged in the last round: z's partner
         self.stable_rounds = 0
         self.mask_drift = 0.0
         self.bytes = {"inter": 0, "intra": 0, "inter_consensus": 0, "dense_inter": 0}
@@ -136,8 +150,12 @@ class HSADMM:
 
     # -- every local step -------------------------------------------------------------------------------
     def _refresh_prox(self) -> None:
-        """Cache ρ1(u − z_i) and group entries by ρ1, so a step is two fused foreach adds per group."""
-        self._shift = [(e.u - e.z_i).mul_(e.rho1) for e in self.entries]
+        """Cache ρ1(u − z_i) and group entries by ρ1, so a step is two fused foreach adds per group. A half
+        precision model caches z_i − u instead (see :meth:`add_proximal_grad`)."""
+        if self.state_dtype == self.dtype:
+            self._shift = [(e.u - e.z_i).mul_(e.rho1) for e in self.entries]
+        else:
+            self._shift = [e.z_i - e.u for e in self.entries]
         groups: Dict[float, List[int]] = {}
         for k, e in enumerate(self.entries):
             groups.setdefault(e.rho1, []).append(k)
@@ -150,8 +168,14 @@ class HSADMM:
             if not live:
                 continue
             grads = [self.entries[k].param.grad for k in live]
-            torch._foreach_add_(grads, [self.entries[k].param.detach() for k in live], alpha=rho1)
-            torch._foreach_add_(grads, [self._shift[k] for k in live])
+            thetas = [self.entries[k].param.detach() for k in live]
+            if self.state_dtype == self.dtype:
+                torch._foreach_add_(grads, thetas, alpha=rho1)
+                torch._foreach_add_(grads, [self._shift[k] for k in live])
+            else:   # θ − (z_i − u) in float32 first: in half precision ρ1θ and ρ1(u − z_i) cancel badly
+                prox = torch._foreach_sub(thetas, [self._shift[k] for k in live])
+                torch._foreach_mul_(prox, rho1)
+                torch._foreach_add_(grads, prox)
         if self.frozen and self.masked_retrain and self.structured:
             torch._foreach_mul_([e.param.grad for e in self.structured if e.param.grad is not None],
                                 [m for e, m in zip(self.structured, self._retrain_support())
@@ -166,7 +190,7 @@ class HSADMM:
 
     def _retrain_support(self) -> List[torch.Tensor]:
         if self._support is None:
-            self._support = [sparsity.apply_masks(torch.ones_like(e.z), e.rows, e.cols) for e in self.structured]
+            self._support = [sparsity.apply_masks(torch.ones_like(e.param), e.rows, e.cols) for e in self.structured]
         return self._support
 
     # -- the round ---------------------------------------------------------------------------------------
@@ -175,6 +199,9 @@ class HSADMM:
         the round's residual sum (ranks at different step counts raise on every rank instead of averaging models
         of different ages, or deadlocking at the end when one rank runs out of rounds first). Watched: a rank
         that never arrives stops the job, named (:mod:`prunex_hvd.watchdog`)."""
+        if self.finalized:
+            raise RuntimeError("consensus round after finalize(): finalize() ends training (the model now holds "
+                               "the consensus z); to evaluate the consensus mid-run use consensus_weights()")
         with watchdog.waiting(f"consensus round {self.round + 1}", world=True):
             return self._round(steps)
 
@@ -187,7 +214,10 @@ class HSADMM:
 
         # 1. intra-node sum of θ + u, and of the float buffers
         for k, e in enumerate(self.entries):
-            torch.add(e.param.detach().reshape(-1), e.u.reshape(-1), out=self._dense.views[k])
+            if self.state_dtype == self.dtype:
+                torch.add(e.param.detach().reshape(-1), e.u.reshape(-1), out=self._dense.views[k])
+            else:   # added in float32, rounded once to the payload
+                self._dense.views[k].copy_(e.param.detach().reshape(-1)).add_(e.u.reshape(-1))
         for j, (_, b) in enumerate(self.buffers):
             self._dense.views[n + j].copy_(b.reshape(-1))
         # this rank's own inf/NaN, looked for before the node sum mixes it in (or a pruned entry hides it)
@@ -217,7 +247,7 @@ class HSADMM:
         layout = self._compact_layout()
         if topo.is_leader or M == 1:   # one node: z = z_i + v, every rank has it, nothing to exchange
             for k, e in enumerate(self.entries):
-                c = z_i_new[k] + e.v
+                c = (z_i_new[k] + e.v).to(self.dtype)   # the payload's dtype, so the packing path stays one pass
                 if e.structured:
                     sparsity.shrink_into(c, e.row_idx, e.col_idx, layout.views[k], plan=e.plan)
                 else:
@@ -237,16 +267,17 @@ class HSADMM:
         z_new = []
         for k, e in enumerate(self.entries):
             if k in self._gathers:   # one gather of whole chunks from the bucket (see _compact_layout)
-                z_new.append(sparsity.recover_gather(*self._gathers[k], e.z.shape))
+                z = sparsity.recover_gather(*self._gathers[k], e.z.shape)
             elif e.structured:
-                z_new.append(sparsity.recover(layout.views[k], e.row_idx, e.col_idx, e.z.shape, plan=e.plan))
+                z = sparsity.recover(layout.views[k], e.row_idx, e.col_idx, e.z.shape, plan=e.plan)
             else:
-                z_new.append(layout.views[k].view_as(e.z).clone())
+                z = layout.views[k].view_as(e.z).clone()
+            z_new.append(z.to(self.state_dtype))
             local_sq[k, 0] = admm.sq_norm(e.param.detach() - z_i_new[k])
-            if topo.is_leader:   # node-level terms: once per node
-                local_sq[k, 1] = admm.sq_norm(z_i_new[k] - e.z_i) * e.rho1 ** 2
+            if topo.is_leader:   # node-level terms: once per node, the dual one for the node's P copies of z_i
+                local_sq[k, 1] = admm.dual_residual_sq(admm.sq_norm(z_i_new[k] - e.z_i), e.rho1, P)
                 local_sq[k, 2] = admm.sq_norm(z_i_new[k] - z_new[k])
-            s_inter_sq[k] = admm.sq_norm(z_new[k] - e.z) * e.rho2 ** 2
+            s_inter_sq[k] = admm.dual_residual_sq(admm.sq_norm(z_new[k] - e.z), e.rho2, M)   # M copies of z
         who = torch.zeros(topo.size, 3, dtype=torch.float64)   # one row per rank: summing fills every row
         who[topo.rank] = torch.tensor([self.round + 1, -1 if steps is None else steps, float(any(nonfinite))])
         where = torch.tensor(nonfinite, dtype=torch.float64)    # per entry, then the float buffers
@@ -266,13 +297,16 @@ class HSADMM:
             e.z_i, e.z = z_i_new[k], z_new[k]
         for j, (_, b) in enumerate(self.buffers):
             b.copy_(layout.views[n + j].view_as(b))
+            self._round_buffers[j].copy_(b)
 
         for k, e in enumerate(self.entries):
             r_intra, s_intra, r_inter, s_inter = admm.residual_norms(*totals[k].tolist(), s_inter_sq[k])
-            e.residuals = {"r_intra": r_intra, "s_intra": s_intra, "r_inter": r_inter, "s_inter": s_inter}
+            e.residuals = {"r_intra": r_intra, "s_intra": s_intra}
+            if self.inter_tier:
+                e.residuals.update(r_inter=r_inter, s_inter=s_inter)
             if self.adaptive_rho:
                 rho1 = admm.adapt_rho(e.rho1, r_intra, s_intra, self.rho_max)
-                rho2 = admm.adapt_rho(e.rho2, r_inter, s_inter, self.rho_max)
+                rho2 = admm.adapt_rho(e.rho2, r_inter, s_inter, self.rho_max) if self.inter_tier else e.rho2
                 admm.rescale_dual(e.u, e.rho1, rho1)
                 admm.rescale_dual(e.v, e.rho2, rho2)
                 e.rho1, e.rho2 = rho1, rho2
@@ -453,29 +487,41 @@ class HSADMM:
         return {e.name: sparsity.density(e.rows, e.cols) for e in self.structured}
 
     def finalize(self) -> None:
-        """Write the global consensus z into the model: every rank gets the same, exactly structurally sparse
-        model. If nodes' masks still differed (their OR is larger than asked), z is projected onto the
-        requested structure first, so the model is at the requested density."""
+        """Write the consensus model into the model: the global z and the float buffers (BatchNorm running
+        statistics) averaged in the last round, so every rank holds the same, exactly structurally sparse model
+        (no communication; steps taken since the last round are not in it: run :meth:`consensus_round` first
+        to include them). If nodes' masks still differed (their OR is larger than asked), z is projected onto
+        the requested structure first, so the model is at the requested density. Training ends here: a later
+        round raises (as the wrapped optimizer's ``step()`` does)."""
         with torch.no_grad():
             for e, (rows, cols) in zip(self.structured, self._masks({e.name: e.z for e in self.structured})):
                 e.z.copy_(sparsity.apply_masks(e.z, rows, cols))
-            for e in self.entries:
-                e.param.copy_(e.z)
+            self._write_consensus_model()
+        self.finalized = True
 
     @contextmanager
     def consensus_weights(self):
-        """Put the global consensus z into the model's parameters for the duration (to evaluate the pruned
-        model mid-run, identical on every rank); θ is restored after."""
+        """Put the consensus model (z and the last round's float buffers, as :meth:`finalize` writes them) into
+        the model for the duration, to evaluate the pruned model mid-run, identical on every rank without any
+        communication; θ and this rank's own buffers are restored after."""
         saved = [e.param.detach().clone() for e in self.entries]
+        saved_buffers = [b.clone() for _, b in self.buffers]
         with torch.no_grad():
-            for e in self.entries:
-                e.param.copy_(e.z)
+            self._write_consensus_model()
         try:
             yield
         finally:
             with torch.no_grad():
                 for e, theta in zip(self.entries, saved):
                     e.param.copy_(theta)
+                for (_, b), old in zip(self.buffers, saved_buffers):
+                    b.copy_(old)
+
+    def _write_consensus_model(self) -> None:
+        for e in self.entries:
+            e.param.copy_(e.z)
+        for (_, b), avg in zip(self.buffers, self._round_buffers):
+            b.copy_(avg)
 
     # -- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -487,6 +533,7 @@ class HSADMM:
                                  "rows": None if e.rows is None else e.rows.clone(),
                                  "cols": None if e.cols is None else e.cols.clone()}
                         for e in self.entries},
+            "round_buffers": {name: b.clone() for (name, _), b in zip(self.buffers, self._round_buffers)},
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -507,5 +554,8 @@ class HSADMM:
         self.round, self.frozen = int(sd["round"]), bool(sd["frozen"])
         self.stable_rounds, self.mask_drift = int(sd["stable_rounds"]), float(sd["mask_drift"])
         self.bytes = dict(sd["bytes"])
+        saved = sd.get("round_buffers", {})   # absent in older checkpoints: saved at a round, buffers were averaged
+        for (name, b), avg in zip(self.buffers, self._round_buffers):
+            avg.copy_(saved.get(name, b))
         self._compact = self._support = None
         self._refresh_prox()

@@ -83,6 +83,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("prunex_hvd.DistributedOptimizer does not take a closure: the proximal term is added "
                              "to the gradients between backward() and step()")
+        if self._engine.finalized:
+            raise RuntimeError("step() after finalize(): finalize() ends training and leaves the consensus model "
+                               "in place; to evaluate mid-run without ending it, use consensus_weights()")
         self._engine.add_proximal_grad()
         loss = super(self.__class__, self).step()
         self._engine.after_step()
@@ -97,8 +100,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._last_report
 
     def finalize(self) -> None:
-        """Write the global consensus z into the model, exactly at the requested structure (see
-        :meth:`HSADMM.finalize`)."""
+        """End training: write the consensus model (the global z, exactly at the requested structure, and the
+        BatchNorm statistics averaged in the last round) into the model, the same on every rank (see
+        :meth:`HSADMM.finalize`). ``step()`` and ``consensus()`` raise after it."""
         self._engine.finalize()
 
     def rounds_done(self) -> int:
@@ -106,7 +110,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._engine.round
 
     def consensus_weights(self):
-        """Context manager: the model holds the global consensus z (the pruned model so far) inside it."""
+        """Context manager: the model holds the consensus model (z and the last round's BatchNorm statistics:
+        the pruned model so far, identical on every rank, no communication) inside it."""
         return self._engine.consensus_weights()
 
     def stats(self) -> dict:

@@ -108,14 +108,17 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             support = torch.outer(rows, cols).reshape(z_old.shape).double()
         v = [d(states[ranks[0]]["v"][name]) for ranks in node_ranks]
         z = torch.stack([z_i[i] + v[i] for i in range(M)]).mean(0) * support
+        # consensus ADMM (Boyd et al. §7.1): every copy counts on both sides. The copies of z_i are the M·P
+        # ranks' θ (each rank's own z_i moved), the copies of z are the M nodes' z_i.
         r_intra = math.sqrt(sum(float((d(states[r]["theta"][name]) - z_i[node_of[r]]).pow(2).sum())
                                 for r in range(len(states))))
-        s_intra = rho1 * math.sqrt(sum(float((z_i[i] - d(states[ranks[0]]["z_i"][name])).pow(2).sum())
-                                       for i, ranks in enumerate(node_ranks)))
+        s_intra = rho1 * math.sqrt(sum(float((z_i[node_of[r]] - d(states[r]["z_i"][name])).pow(2).sum())
+                                       for r in range(len(states))))
         r_inter = math.sqrt(sum(float((z_i[i] - z).pow(2).sum()) for i in range(M)))
-        s_inter = rho2 * float((z - z_old).pow(2).sum()) ** 0.5
+        s_inter = rho2 * math.sqrt(sum(float((z - z_old).pow(2).sum()) for _ in range(M)))
         new1 = _adapt(rho1, r_intra, s_intra, rho_max) if adaptive else rho1
-        new2 = _adapt(rho2, r_inter, s_inter, rho_max) if adaptive else rho2
+        # one node: no inter-node tier to balance (r_inter is 0 by construction)
+        new2 = _adapt(rho2, r_inter, s_inter, rho_max) if adaptive and M > 1 else rho2
         for i in range(M):
             out["z_i"][i][name] = z_i[i].float()
             out["v"][i][name] = ((v[i] + z_i[i] - z) * (rho2 / new2)).float()
@@ -123,7 +126,7 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             out["u"][r][name] = ((d(s["u"][name]) + d(s["theta"][name]) - z_i[node_of[r]]) * (rho1 / new1)).float()
         out["z"][name] = z.float()
         out["rho1"][name], out["rho2"][name] = new1, new2
-        out["residuals"][name] = (r_intra, s_intra, r_inter, s_inter)
+        out["residuals"][name] = (r_intra, s_intra) + ((r_inter, s_inter) if M > 1 else ())
     if freezes:
         for name, (rows, cols) in reference_masks({n: out["z"][n] for n in specs}, specs, couplings,
                                                   streams).items():
