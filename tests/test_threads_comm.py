@@ -1,0 +1,163 @@
+"""The thread-backed communicator (prunex_hvd.comm.threads): every collective on M×P ranks in one process,
+its byte accounting against the ring model, and a failing rank that stops the others at once."""
+import time
+
+import pytest
+import torch
+
+from prunex_hvd.comm.accounting import ring_cross_node_bytes, ring_sent_bytes
+from prunex_hvd.comm.threads import ClusterAborted, thread_cluster
+from threaded import RankFailed, run_ranks
+
+
+def test_groups_follow_the_layout():
+    cluster = thread_cluster(2, 3)
+    assert len(cluster) == 6
+    for rank in cluster:
+        topo, groups, ledger = rank
+        assert (topo.node, topo.local_rank, topo.num_nodes, topo.local_size) == (rank.topo.rank // 3,
+                                                                                rank.topo.rank % 3, 2, 3)
+        assert groups.intra.ranks == topo.local_ranks and groups.intra.rank == topo.local_rank
+        assert groups.world.ranks == tuple(range(6)) and groups.world.nodes == (0, 0, 0, 1, 1, 1)
+        assert (groups.inter is not None) == topo.is_leader
+        assert ledger is not cluster[(topo.rank + 1) % 6].ledger   # a ledger of its own
+    assert cluster[3].groups.inter.ranks == (0, 3) and cluster[3].groups.inter.rank == 1
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_allreduce_is_bit_identical_on_every_rank(op):
+    values = [torch.randn(1000, dtype=torch.float32, generator=torch.Generator().manual_seed(r)) for r in range(5)]
+    want = {"sum": sum(values[1:], values[0].clone()), "max": torch.stack(values).max(0).values,
+            "avg": sum(values[1:], values[0].clone()) / 5}[op]
+
+    def work(rank):
+        t = values[rank.topo.rank].clone()
+        assert rank.groups.world.allreduce_(t, op) is t
+        return t
+    results = run_ranks(1, 5, work)
+    for t in results:
+        assert torch.equal(t, results[0])
+    torch.testing.assert_close(results[0], want)
+
+
+def test_bor_of_uint8_masks_on_the_leaders():
+    masks = [torch.tensor([1, 0, 0, 4], dtype=torch.uint8), torch.tensor([0, 2, 0, 4], dtype=torch.uint8),
+             torch.tensor([0, 0, 0, 8], dtype=torch.uint8)]
+
+    def work(rank):
+        if rank.groups.inter is None:
+            return None
+        return rank.groups.inter.bor_(masks[rank.topo.node].clone()).tolist()
+    results = run_ranks(3, 2, work)
+    assert results == [[1, 2, 0, 12], None] * 3
+
+
+def test_broadcast_from_a_nonzero_root():
+    def work(rank):
+        t = torch.full((2, 3), float(rank.topo.rank))
+        rank.groups.intra.broadcast_(t, root=2)
+        return t
+    results = run_ranks(2, 3, work)
+    assert [float(t[0, 0]) for t in results] == [2.0] * 3 + [5.0] * 3
+
+
+def test_allgather_equal_and_unequal():
+    def work(rank):
+        r = rank.topo.rank
+        equal = rank.groups.world.allgather(torch.tensor([r, 10 * r]), same_shape=True)
+        unequal = rank.groups.world.allgather(torch.arange(r + 1, dtype=torch.float64).reshape(-1, 1) + r)
+        unequal[0].add_(100)   # every rank's outputs are its own
+        return equal, unequal
+    results = run_ranks(2, 2, work)
+    for equal, unequal in results:
+        assert [t.tolist() for t in equal] == [[r, 10 * r] for r in range(4)]
+        assert [t.shape for t in unequal] == [(r + 1, 1) for r in range(4)]
+        assert unequal[0].item() == 100 and [t[-1, 0].item() for t in unequal[1:]] == [2.0, 4.0, 6.0]
+
+
+def test_accounting_follows_the_ring_model():
+    """Each rank's ledger holds what the ring model says it sent, per group: all of a leader's inter traffic
+    crosses nodes, none of the intra traffic, and on the world ring only the links leaving a node."""
+    cluster = thread_cluster(3, 2, keep_records=True)
+    sizes = {"world": [400] * 6, "intra": [400] * 2, "inter": [400] * 3}
+
+    def work(rank):
+        g = rank.groups
+        g.world.allreduce_(torch.zeros(100))
+        g.intra.broadcast_(torch.zeros(100), root=1)
+        if g.inter is not None:
+            g.inter.allreduce_(torch.zeros(100), "avg")
+        gathered = g.world.allgather(torch.zeros(rank.topo.rank + 1, dtype=torch.float64))
+        return [t.numel() for t in gathered]
+    assert run_ranks(3, 2, work, cluster=cluster) == [[1, 2, 3, 4, 5, 6]] * 6
+    for rank in cluster:
+        by_op = {(rec.tier, rec.op): rec for rec in rank.ledger.records}
+        for tier, op, comm in (("world", "allreduce", rank.groups.world), ("intra", "broadcast", rank.groups.intra),
+                               ("inter", "allreduce", rank.groups.inter)):
+            if comm is None:
+                assert (tier, op) not in by_op
+                continue
+            rec, root = by_op[(tier, op)], 1 if op == "broadcast" else 0
+            assert rec.payload_bytes == 400 and rec.backend == "threads"
+            assert rec.wire_bytes == ring_sent_bytes(op, sizes[tier], comm.rank, root)
+            assert rec.cross_node_bytes == ring_cross_node_bytes(op, sizes[tier], comm.rank, comm.nodes, root)
+        gather = by_op[("world", "allgather")]
+        blocks = [8 * (r + 1) for r in range(6)]
+        assert gather.payload_bytes == blocks[rank.topo.rank]   # not padded: the thread backend sends each as is
+        assert gather.wire_bytes == ring_sent_bytes("allgather", blocks, rank.topo.rank)
+        assert ("world", "allgather_sizes") in by_op
+    leader, other = cluster[2].ledger.summary(), cluster[3].ledger.summary()
+    assert leader["inter"]["cross_node_bytes"] == 2 * 2 * 400 // 3 and leader["intra"]["cross_node_bytes"] == 0
+    assert other["inter"]["ops"] == 0 and other["world"]["cross_node_bytes"] > 0   # rank 3 -> 4 leaves node 1
+
+
+def test_a_failing_rank_stops_the_others_at_once():
+    """Rank 2 raises before its collective; the others, already waiting in theirs, are released by the abort
+    within a moment (not the 60 s barrier timeout), and the error names rank 2."""
+    def work(rank):
+        if rank.topo.rank == 2:
+            time.sleep(0.2)
+            raise KeyError("boom")
+        rank.groups.world.allreduce_(torch.ones(4))
+        rank.groups.world.barrier()
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 2 failed: KeyError") as info:
+        run_ranks(2, 2, work, timeout=60)
+    assert time.monotonic() - t0 < 10
+    assert info.value.rank == 2 and isinstance(info.value.__cause__, KeyError)
+
+
+def test_a_collective_that_waits_too_long_aborts_the_cluster():
+    cluster = thread_cluster(1, 2, timeout=0.5)
+
+    def work(rank):
+        if rank.topo.rank == 0:
+            rank.groups.intra.barrier()   # rank 1 never comes
+        else:
+            time.sleep(0.8)
+            rank.groups.intra.barrier()   # the broken barrier refuses it at once
+    with pytest.raises(RankFailed, match="waited more than 0.5 s"):
+        run_ranks(1, 2, work, cluster=cluster)
+    assert cluster.aborted
+
+
+def test_different_collectives_on_one_group_raise_on_every_rank():
+    def work(rank):
+        t = torch.ones(3)
+        with pytest.raises(RuntimeError, match="called different collectives"):
+            if rank.topo.rank == 0:
+                rank.groups.world.allreduce_(t)
+            else:
+                rank.groups.world.broadcast_(t)
+        with pytest.raises(ValueError, match="members sent different tensors"):
+            rank.groups.world.allreduce_(torch.ones(rank.topo.rank + 1))
+        return rank.groups.world.allreduce_(t).tolist()   # the group still works
+    assert run_ranks(1, 2, work) == [[2.0] * 3] * 2
+
+
+def test_a_rank_still_running_is_named():
+    def work(rank):
+        if rank.topo.rank == 1:
+            time.sleep(1.0)
+    with pytest.raises(TimeoutError, match=r"ranks \[1\]"):
+        run_ranks(1, 2, work, timeout=0.5)
