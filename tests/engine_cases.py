@@ -1,0 +1,241 @@
+"""What the engine's multi-rank checks share, whether the ranks are processes under a launcher
+(workers/engine_worker.py, run by test_engine_launch.py) or threads of one process (test_engine_threads.py):
+the models and training settings, per-rank snapshots, the round-by-round comparison with
+:func:`reference.reference_round`, and the checks of every rank's result (bytes, final structure)."""
+import json
+import math
+
+import torch
+import torch.nn as nn
+
+from reference import reference_round
+
+ROUNDS, LOCAL_STEPS = 4, 3
+# what every engine case trains with; freeze_round=3 of 4 rounds leaves one round on frozen masks
+SETTINGS = dict(rho1=0.05, rho2=0.02, rho_max=10.0, adaptive_rho=True, weight_decay_z=0.01, freeze_round=3,
+                freeze_patience=3, bucket_mb=0.002)   # tiny buckets: every round packs several
+FLOAT_BYTES = 4   # the models are float32
+
+# the specs each case resolves to, by parameter name
+CHANNEL = {"0.weight": "channel:0.5", "3.weight": "channel:0.5"}
+MIXED_SPARSITY = {"3.*": "filter:0.5+channel:0.5", "0.weight": "shape:0.5"}
+MIXED = {"3.weight": "filter:0.5+channel:0.5", "0.weight": "shape:0.5"}
+PAIR = {"3.weight": "0.weight"}   # coupled=True on the chain: conv 3 reads conv 0's channels
+RESIDUAL = {f"{n}.weight": "channel:0.5" for n in ("stem", "a", "b", "c", "d")}
+RESIDUAL_PAIR = {"b.weight": "a.weight"}
+STREAM = [(("a.weight", "c.weight", "d.weight"), ("b.weight", "stem.weight"))]
+
+
+class Residual(nn.Module):
+    """A residual stream: written by the stem and by b (after a -> b, a coupled pair), read by a, c and the
+    shortcut d; c + d is the head's stream (a linear reads it, so it is not coupled)."""
+
+    def __init__(self):
+        super().__init__()
+        bn = nn.BatchNorm2d
+        self.stem, self.bn0 = nn.Conv2d(3, 8, 3, padding=1), bn(8)
+        self.a, self.bna, self.b, self.bnb = nn.Conv2d(8, 6, 3, padding=1), bn(6), nn.Conv2d(6, 8, 3, padding=1), bn(8)
+        self.c, self.bnc, self.d, self.bnd = nn.Conv2d(8, 10, 3, padding=1), bn(10), nn.Conv2d(8, 10, 1), bn(10)
+        self.head = nn.Linear(10, 5)
+
+    def forward(self, x):
+        s = torch.relu(self.bn0(self.stem(x)))
+        s = torch.relu(self.bnb(self.b(torch.relu(self.bna(self.a(s))))) + s)
+        t = torch.relu(self.bnc(self.c(s)) + self.bnd(self.d(s)))
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(t, 1), 1))
+
+
+def make_model(kind="chain", rank=0):
+    """The same model on every rank, except that ranks other than 0 are moved off it, each its own way:
+    construction must broadcast rank 0's. Seeds torch's global RNG (threads: call it before they start)."""
+    torch.manual_seed(1234)
+    if kind == "residual":
+        model = Residual()
+    else:
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                              nn.Conv2d(8, 12, 3, padding=1), nn.BatchNorm2d(12), nn.ReLU(),
+                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(12, 5))
+    if rank != 0:
+        g = torch.Generator().manual_seed(rank)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g))
+    return model
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+
+
+def rank_batch(rank, device="cpu"):
+    """Rank ``rank``'s own data (its own generator: different on every rank, safe in threads)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(16, 3, 6, 6, generator=g)
+    y = torch.randint(0, 5, (16,), generator=g)
+    return x.to(device), y.to(device)
+
+
+def local_steps(model, step, x, y, steps=LOCAL_STEPS):
+    """``steps`` training steps on one batch; ``step()`` is the (wrapped) optimizer's step."""
+    for _ in range(steps):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        step()
+
+
+def model_state(model):
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_everywhere(states, when):
+    """Every rank's ``model_state`` is bit-identical to rank 0's."""
+    for k in states[0]:
+        assert all(torch.equal(s[k], states[0][k]) for s in states), f"{k} differs {when}"
+
+
+def snapshot(eng):
+    """One rank's engine state, as ``reference_round`` takes it."""
+    return {"theta": {e.name: e.param.detach().cpu().clone() for e in eng.entries},
+            "u": {e.name: e.u.cpu().clone() for e in eng.entries},
+            "z_i": {e.name: e.z_i.cpu().clone() for e in eng.entries},
+            "v": {e.name: e.v.cpu().clone() for e in eng.entries},
+            "z": {e.name: e.z.cpu().clone() for e in eng.entries},
+            "rho1": {e.name: e.rho1 for e in eng.entries}, "rho2": {e.name: e.rho2 for e in eng.entries},
+            "masks": {e.name: (e.rows.cpu().clone(), e.cols.cpu().clone()) for e in eng.structured},
+            "buffers": {n: b.detach().cpu().clone() for n, b in eng.buffers},
+            "frozen": eng.frozen}
+
+
+def compare(name, got, want, rtol=1e-4, atol=1e-6):
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def check_round(rnd, before, after, node_ranks, eng):
+    """Every rank's state after round ``rnd`` (``after[r]``) against the reference round over all ranks'
+    states before it; ``eng`` (any rank's engine) gives the settings. Returns what the round sent, for
+    :func:`check_results`: whether the masks were frozen before it, and the compact (rows, cols) per layer."""
+    want = reference_round(before, node_ranks, {e.name: e.spec for e in eng.structured},
+                           weight_decay_z=eng.weight_decay_z, rho_max=eng.rho_max, adaptive=eng.adaptive_rho,
+                           freezes=after[0]["frozen"] and not before[0]["frozen"],
+                           couplings=eng.couplings, streams=eng.streams)
+    node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
+    for r, got in enumerate(after):
+        node = node_of[r]
+        for name in got["theta"]:
+            compare(f"round {rnd} rank {r} u[{name}]", got["u"][name], want["u"][r][name])
+            compare(f"round {rnd} rank {r} z_i[{name}]", got["z_i"][name], want["z_i"][node][name])
+            compare(f"round {rnd} rank {r} v[{name}]", got["v"][name], want["v"][node][name])
+            compare(f"round {rnd} rank {r} z[{name}]", got["z"][name], want["z"][name])
+            assert got["rho1"][name] == want["rho1"][name], (rnd, r, name, got["rho1"][name], want["rho1"][name])
+            assert got["rho2"][name] == want["rho2"][name], (rnd, r, name, got["rho2"][name], want["rho2"][name])
+        for name, (rows, cols) in got["masks"].items():
+            assert torch.equal(rows, want["masks"][name][0]) and torch.equal(cols, want["masks"][name][1]), \
+                (rnd, r, name)
+        for name in got["buffers"]:
+            compare(f"round {rnd} rank {r} buffer {name}", got["buffers"][name], want["buffers"][name])
+    return {"frozen_before": before[0]["frozen"],
+            "compact": {n: [int(r.sum()), int(c.sum())] for n, (r, c) in want["sent_masks"].items()}}
+
+
+def live_channels(w, dim):
+    """The input channels (dim 1) or filters (dim 0) of a conv weight that are not all zero."""
+    other = [d for d in range(w.dim()) if d != dim]
+    return (w.detach().abs().sum(other) != 0).nonzero().flatten().tolist()
+
+
+def engine_stats(eng):
+    """The part of ``DistributedOptimizer.stats()`` that :func:`check_results` reads, from the engine."""
+    return {"inter_bytes": eng.bytes["inter"], "inter_consensus_bytes": eng.bytes["inter_consensus"],
+            "dense_inter_bytes": eng.bytes["dense_inter"], "layer_density": eng.layer_density()}
+
+
+def rank_result(eng, model, topo, reports, stats, ledger_summary):
+    """One rank's result after ``finalize()``, JSON-ready; rank 0's also gets ``checks`` and ``ref_rounds``
+    (from :func:`check_round`) before :func:`check_results` reads it."""
+    return {"rank": topo.rank, "topology": topo.as_dict(), "reports": reports, "stats": stats,
+            "ledger": ledger_summary,
+            "compact": {e.name: [int(e.rows.sum()), int(e.cols.sum())] for e in eng.structured},
+            "couplings": eng.couplings, "streams": [list(map(list, s)) for s in eng.streams],
+            "final_support": {n: [int((p.detach().reshape(p.shape[0], -1).abs().sum(1) != 0).sum()),
+                                  int((p.detach().abs().sum((0, 2, 3)) != 0).sum()),
+                                  int((p.detach().reshape(p.shape[0], -1).abs().sum(0) != 0).sum())]
+                              for n, p in model.named_parameters() if p.dim() == 4},
+            # per stream, per member (readers, then writers): the channels it still reads / writes
+            "stream_live": [[live_channels(model.get_parameter(n), dim) for dim, names in ((1, r), (0, w))
+                             for n in names] for r, w in eng.streams],
+            "shapes": {n: list(p.shape) for n, p in model.named_parameters()},
+            "numels": {e.name: e.param.numel() for e in eng.entries},
+            "buffer_numel": sum(b.numel() for _, b in eng.buffers)}
+
+
+def keep(k, n):
+    return max(1, min(n, math.ceil(k * n - 1e-9)))
+
+
+def ring_allreduce_bytes(payload, members):
+    """What each member of a ring allreduce sends (prunex_hvd.comm.accounting's model): 2(n-1)/n of it."""
+    return 2 * (members - 1) * payload // members
+
+
+def check_results(results, specs, mask_itemsize=1, couplings=None, streams=()):
+    """What every rank reported after ``ROUNDS`` rounds on M nodes × P ranks: the reference checks ran; the
+    leaders' inter-node payload is exactly the compact sizes (plus masks and the residual sum) while non-leaders
+    send nothing across (with one node nothing crosses at all); the model is at the requested structure after
+    finalize(), the same density on every rank."""
+    topo = results[0]["topology"]
+    num_nodes, size = topo["num_nodes"], topo["size"]
+    assert results[0]["couplings"] == (couplings or {})
+    assert results[0]["streams"] == [list(map(list, s)) for s in streams]
+    ref_rounds = results[0]["ref_rounds"]
+    assert results[0]["checks"] == size * ROUNDS and len(ref_rounds) == ROUNDS
+    assert [r["frozen_before"] for r in ref_rounds] == [False, False, False, True]  # freeze_round=3
+    shapes, numels = results[0]["shapes"], results[0]["numels"]
+    dense_numel = sum(n for name, n in numels.items() if name not in specs) + results[0]["buffer_numel"]
+    mask_bytes = sum(shapes[n][0] + shapes[n][1] * shapes[n][2] * shapes[n][3] for n in specs) * mask_itemsize
+    per_round = [FLOAT_BYTES * (dense_numel + sum(r * c for r, c in rr["compact"].values())) for rr in ref_rounds]
+    unfrozen = sum(not rr["frozen_before"] for rr in ref_rounds)
+    # per-layer residual sums (float64) + each rank's round, step count, inf/NaN flag + per-layer inf/NaN flags
+    residuals = ROUNDS * (len(numels) * 3 + size * 3 + len(numels) + 1) * 8
+    dense_round = FLOAT_BYTES * (sum(numels.values()) + results[0]["buffer_numel"])
+    for res in results:
+        rank, leader = res["rank"], res["topology"]["is_leader"]
+        inter = res["ledger"]["inter"]
+        if leader:
+            by_op = {op: v["payload_bytes"] for op, v in inter["by_op"].items()}
+            if num_nodes > 1:
+                assert by_op == {"allreduce[consensus]": sum(per_round), "bor[masks]": unfrozen * mask_bytes,
+                                 "allreduce[residuals]": residuals}, f"rank {rank}"
+            else:   # one node: z = z_i + v on every rank, only the residual sum meets the group of one leader
+                assert by_op == {"allreduce[residuals]": residuals}, f"rank {rank}"
+            if num_nodes == 2:   # two leaders: all of it crosses once
+                assert inter["cross_node_bytes"] == inter["payload_bytes"]
+            assert res["stats"]["inter_bytes"] == inter["cross_node_bytes"]
+            assert res["stats"]["inter_consensus_bytes"] == sum(ring_allreduce_bytes(p, num_nodes) for p in per_round)
+            assert res["stats"]["dense_inter_bytes"] == ROUNDS * ring_allreduce_bytes(dense_round, num_nodes)
+        else:
+            assert inter["ops"] == 0 and res["stats"]["inter_bytes"] == 0, f"non-leader {rank} sent inter-node"
+        assert res["ledger"]["total"]["cross_node_bytes"] == (inter["cross_node_bytes"] if leader else 0)
+        assert res["ledger"]["world"]["ops"] == 0
+        # after finalize(): exactly the requested structure
+        for name, spec in specs.items():
+            c_out, c_in, kh, kw = shapes[name]
+            rows, channels, cols = res["final_support"][name]
+            parts = dict(p.split(":") for p in spec.split("+"))
+            want_rows = keep(float(parts["filter"]), c_out) if "filter" in parts else c_out
+            consumer = {p: c for c, p in (couplings or {}).items()}.get(name)
+            if consumer:   # coupled producer: one filter per channel its consumer kept
+                want_rows = keep(float(specs[consumer].split(":")[1]), c_out)
+            stream = next((s for s in streams if name in s[1]), None)
+            if stream:     # a stream writer: one filter per channel the stream's readers kept
+                want_rows = keep(float(specs[stream[0][0]].split(":")[1]), c_out)
+            assert rows == want_rows, (name, rows)
+            if "channel" in parts:
+                assert channels == keep(float(parts["channel"]), c_in), (name, channels)
+            if "shape" in parts:
+                assert cols == keep(float(parts["shape"]), c_in * kh * kw), (name, cols)
+        # after finalize(): every channel of a stream is read and written by all of its convs, or by none
+        for s, live in zip(streams, res["stream_live"]):
+            assert len(live) == len(s[0]) + len(s[1]) and all(m == live[0] for m in live), (s, live)
+            assert len(live[0]) == keep(float(specs[s[0][0]].split(":")[1]), shapes[s[0][0]][1])
+    # every rank reports the same final density
+    assert len({json.dumps(r["stats"]["layer_density"], sort_keys=True) for r in results}) == 1
