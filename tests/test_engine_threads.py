@@ -1,0 +1,87 @@
+"""H-SADMM on M×P ranks as threads of this process (prunex_hvd.comm.threads), round by round against the
+single-process reference: the checks test_engine_launch.py runs under mpirun on 2×2, here in seconds on any
+layout, one node and one rank per node included.
+
+Every rank builds its engine on its own (rank 0's parameters are broadcast), trains on its own data, and
+snapshots its state before and after each round; the main thread then compares every rank's u, z_i, v, z, ρ,
+masks and BN buffers with ``reference.reference_round``, checks the model is the same everywhere after
+construction and after finalize(), and checks each rank's own ledger (tests/engine_cases.py)."""
+import json
+
+import pytest
+
+import engine_cases as cases
+from prunex_hvd import native
+from prunex_hvd.comm.threads import thread_cluster
+from prunex_hvd.hsadmm import HSADMM
+from prunex_hvd.optimizer import _couplings
+from prunex_hvd.sparsity import resolve_specs
+from threaded import run_ranks
+
+LAYOUTS = [(1, 1), (1, 3), (3, 1), (2, 2), (2, 3)]
+# name: (model, sparsity argument, coupled, the specs it resolves to, the coupled pairs, the streams)
+CASES = {"channel": ("chain", "channel:0.5", False, cases.CHANNEL, None, ()),
+         "mixed": ("chain", cases.MIXED_SPARSITY, False, cases.MIXED, None, ()),
+         "coupled": ("chain", "channel:0.5", True, cases.CHANNEL, cases.PAIR, ()),
+         "streams": ("residual", "channel:0.5", "streams", cases.RESIDUAL, cases.RESIDUAL_PAIR, cases.STREAM)}
+RUNS = [(layout, "channel") for layout in LAYOUTS] + \
+       [(layout, case) for case in ("mixed", "coupled", "streams") for layout in ((2, 2), (2, 3))]
+
+
+def train_on_threads(num_nodes, local_size, kind, sparsity, coupled):
+    """Every rank's snapshots, final model and result after ``cases.ROUNDS`` rounds on the thread cluster."""
+    size = num_nodes * local_size
+    models = [cases.make_model(kind, r) for r in range(size)]   # here: torch's global RNG is not thread-safe
+    specs = resolve_specs(models[0].named_parameters(), sparsity)
+    couplings, streams = _couplings(models[0], specs, coupled) if coupled else ({}, [])
+    native.module()   # load the shrink kernel before the ranks race to its first use
+    cluster = thread_cluster(num_nodes, local_size, keep_records=True)
+
+    def rank_run(rank):
+        model = models[rank.topo.rank]
+        eng = HSADMM(model, rank.topo, rank.groups, specs, ledger=rank.ledger, couplings=couplings,
+                     streams=streams, **cases.SETTINGS)
+        opt = cases.sgd(model)
+
+        def step():   # what the wrapped optimizer's step() does
+            eng.add_proximal_grad()
+            opt.step()
+            eng.after_step()
+        start = cases.model_state(model)
+        rank.ledger.reset()   # the rounds' traffic only, not the initial broadcast
+        x, y = cases.rank_batch(rank.topo.rank)
+        befores, afters, reports = [], [], []
+        for rnd in range(cases.ROUNDS):
+            cases.local_steps(model, step, x, y)
+            befores.append(cases.snapshot(eng))
+            reports.append(eng.consensus_round(steps=(rnd + 1) * cases.LOCAL_STEPS))
+            afters.append(cases.snapshot(eng))
+        eng.finalize()
+        result = cases.rank_result(eng, model, rank.topo, reports, cases.engine_stats(eng),
+                                   rank.ledger.summary(by_op=True))
+        return {"engine": eng, "start": start, "before": befores, "after": afters,
+                "final": cases.model_state(model), "result": json.loads(json.dumps(result))}   # as a worker sends it
+    return cluster, run_ranks(num_nodes, local_size, rank_run, cluster=cluster), specs
+
+
+@pytest.mark.parametrize("layout,case", RUNS, ids=[f"{m}x{p}-{case}" for (m, p), case in RUNS])
+def test_rounds_match_the_reference(layout, case):
+    kind, sparsity, coupled, want_specs, want_pairs, want_streams = CASES[case]
+    num_nodes, local_size = layout
+    cluster, runs, specs = train_on_threads(num_nodes, local_size, kind, sparsity, coupled)
+    assert {n: str(s) for n, s in specs.items()} == want_specs
+
+    cases.assert_same_everywhere([run["start"] for run in runs], "after construction")
+    node_ranks, eng = cluster[0].topo.node_ranks, runs[0]["engine"]
+    ref_rounds = [cases.check_round(rnd, [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs],
+                                    node_ranks, eng) for rnd in range(cases.ROUNDS)]
+    cases.assert_same_everywhere([run["final"] for run in runs], "after finalize")
+
+    results = [run["result"] for run in runs]
+    results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
+    cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams)
+    for rank in cluster:   # every record as the ring model puts it: only the leaders' ring crosses nodes
+        for rec in rank.ledger.records:
+            crossing = rec.tier == "inter" and num_nodes > 1
+            want = cases.ring_allreduce_bytes(rec.payload_bytes, num_nodes) if crossing else 0
+            assert rec.cross_node_bytes == want, (rank.topo.rank, rec)
