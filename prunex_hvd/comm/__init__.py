@@ -10,6 +10,8 @@
 
 Backends, one module each: ``mpi`` (mpi4py), ``gloo`` and ``nccl`` (torch.distributed), ``horovod``
 (process sets); ``auto`` picks nccl for CUDA tensors, mpi for CPU tensors under MPI, gloo otherwise.
+For tests and debugging, :mod:`prunex_hvd.comm.threads` runs M×P ranks as threads of one process (not a
+launch backend: ``thread_cluster`` builds its groups directly).
 """
 from __future__ import annotations
 
