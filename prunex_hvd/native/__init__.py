@@ -21,12 +21,14 @@ import shlex
 import subprocess
 import sysconfig
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Optional
 
 _SOURCE = Path(__file__).with_name("maskcopy.c")
 _state = {"module": None, "why": None, "tried": False}
+_loading = threading.Lock()   # threads arriving together wait for the one build, not take ATen's path
 # The kernel's two entry points, once module() has loaded it (see maskcopy.c for their arguments).
 compress = expand = None
 
@@ -72,10 +74,17 @@ def module():
     """The loaded ``_maskcopy`` extension, building it on first use; None where it is off or cannot be built."""
     if _state["tried"]:
         return _state["module"]
-    _state["tried"] = True
+    with _loading:
+        if not _state["tried"]:
+            _load_once()
+            _state["tried"] = True
+    return _state["module"]
+
+
+def _load_once() -> None:
     if os.environ.get("PRUNEX_HVD_NATIVE", "1").strip().lower() in ("0", "off", "false", "no"):
         _state["why"] = "off (PRUNEX_HVD_NATIVE=0)"
-        return None
+        return
     import torch  # noqa: F401  (loaded first, so the extension's libgomp resolves to torch's own)
     try:
         path = _library_path()
@@ -88,8 +97,7 @@ def module():
         _state["why"] = f"unavailable: {exc}"
         warnings.warn(f"prunex_hvd: the native shrink/recover kernel is {_state['why']}; using ATen's "
                       "(slower on CPU for single-column structures). Set PRUNEX_HVD_NATIVE=0 to silence.",
-                      RuntimeWarning, stacklevel=3)
-    return _state["module"]
+                      RuntimeWarning, stacklevel=4)
 
 
 def available() -> bool:
