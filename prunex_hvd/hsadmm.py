@@ -142,7 +142,7 @@ class HSADMM:
             for k, t in enumerate(tensors):
                 layout.views[k].copy_(t.reshape(-1))
             for buf in layout.buffers:
-                if self.topo.is_leader:
+                if self.topo.is_leader and self.inter_tier:
                     self.groups.inter.broadcast_(buf, root=0)
                 self.groups.intra.broadcast_(buf, root=0)
             for k, t in enumerate(tensors):
@@ -445,9 +445,10 @@ class HSADMM:
         local = local.to(self.device)
         with self.ledger.tagged("residuals"):
             self.groups.intra.allreduce_(local, "sum")
-            if self.topo.is_leader:
-                self.groups.inter.allreduce_(local, "sum")
-            self.groups.intra.broadcast_(local, root=0)
+            if self.inter_tier:   # one node: the node's sum is the job's
+                if self.topo.is_leader:
+                    self.groups.inter.allreduce_(local, "sum")
+                self.groups.intra.broadcast_(local, root=0)
         return local.cpu()
 
     def _report(self, before, seconds, compact_numel: int) -> dict:
