@@ -8,7 +8,9 @@ calls this a dependency group; here only the simple, common case is found, by wa
 * the consumer and the producer are ``nn.Conv2d`` with ``groups=1``;
 * between them lie only channel-wise modules or functions (BatchNorm, activations, dropout, identity);
 * every value on the way, the producer's output included, has exactly one user. A residual stream (read by
-  an add as well) is never a pair.
+  an add as well) is never a pair;
+* each of the two convs' weights is used once in the model: a conv called twice, or two convs sharing one
+  weight, would put that weight in two places' groups.
 
 :func:`channel_streams` finds the residual streams (``coupled="streams"``): the values joined by adds, and
 everything channel-wise on them, carry one channel space. Every conv writing into it (the stem, each block's
@@ -66,11 +68,30 @@ def _trace(model: nn.Module):
     return graph, conv, channelwise
 
 
+def _used_once(graph, model: nn.Module):
+    """``used_once(node)``: the weight of the module ``node`` calls is used by this call alone. A module called
+    twice, or one whose weight another module shares (tied weights), puts one weight in two places."""
+    modules = dict(model.named_modules())
+    uses: Dict[int, int] = {}
+
+    def key(node):
+        m = modules.get(node.target)
+        w = getattr(m, "weight", None)
+        return id(w) if isinstance(w, torch.Tensor) else id(m)
+
+    for node in graph.nodes:
+        if node.op == "call_module":
+            uses[key(node)] = uses.get(key(node), 0) + 1
+    return lambda node: uses.get(key(node)) == 1
+
+
 def channel_couplings(model: nn.Module) -> Dict[str, str]:
     """``{consumer conv weight name: producer conv weight name}`` for every conv whose input channels come
-    from one other conv and go nowhere else. Raises ``ValueError`` when ``torch.fx`` cannot trace the model
-    (data-dependent control flow): coupling is then not available for it."""
+    from one other conv and go nowhere else. A conv whose weight is used more than once (called twice, or tied
+    to another conv's) is in no pair, nor in a stream: each use may have other readers. Raises ``ValueError``
+    when ``torch.fx`` cannot trace the model (data-dependent control flow): coupling is then not available."""
     graph, conv, channelwise = _trace(model)
+    used_once = _used_once(graph, model)
     pairs: Dict[str, str] = {}
     for node in graph.nodes:
         consumer = conv(node)
@@ -80,7 +101,10 @@ def channel_couplings(model: nn.Module) -> Dict[str, str]:
         while len(x.users) == 1 and channelwise(x) and x.args and isinstance(x.args[0], torch.fx.Node):
             x = x.args[0]
         producer = conv(x)
-        if producer is not None and len(x.users) == 1 and producer.out_channels == consumer.in_channels:
+        # A conv called twice (or sharing its weight) has one weight for two places in the graph: its filters or
+        # input channels would belong to two groups at once, and a pair would be decided for one call only.
+        if producer is not None and len(x.users) == 1 and producer.out_channels == consumer.in_channels and \
+                used_once(node) and used_once(x):
             pairs[f"{node.target}.weight"] = f"{x.target}.weight"
     return pairs
 
@@ -95,8 +119,9 @@ def channel_streams(model: nn.Module) -> List[Stream]:
     writers are the nodes whose output enters it from outside, its readers the nodes outside that use a value
     of it. A stream is skipped (its convs keep per-layer masks) when any writer or reader is not a
     ``groups=1`` ``nn.Conv2d`` taking it as input (the model input, a linear head behind pooling, a grouped
-    conv, a concat...), when the channel counts do not match, or when a conv module is called more than once
-    in the model. Raises ``ValueError`` when ``torch.fx`` cannot trace the model."""
+    conv, a concat...), when the channel counts do not match, or when a conv's weight is used more than once
+    in the model (a conv called twice, tied weights). Raises ``ValueError`` when ``torch.fx`` cannot trace the
+    model."""
     graph, conv, channelwise = _trace(model)
     parent: Dict = {}
 
@@ -110,10 +135,8 @@ def channel_streams(model: nn.Module) -> List[Stream]:
         return (node.op == "call_function" and node.target in _ADD_FUNCTIONS) or \
             (node.op == "call_method" and node.target in _ADD_METHODS)
 
-    calls: Dict[str, int] = {}
+    used_once = _used_once(graph, model)
     for node in graph.nodes:
-        if conv(node) is not None:
-            calls[node.target] = calls.get(node.target, 0) + 1
         joined = [a for a in node.args if isinstance(a, torch.fx.Node)] if is_add(node) else \
             node.args[:1] if channelwise(node, pooling=True) and node.args and \
             isinstance(node.args[0], torch.fx.Node) else []
@@ -132,8 +155,8 @@ def channel_streams(model: nn.Module) -> List[Stream]:
         readers = {u for n in members for u in n.users if u not in inside}
         if not any(is_add(n) for n in members) and len(readers) < 2:
             continue   # a plain chain: one of channel_couplings' pairs, or nothing to share
-        if not all(conv(n) is not None and calls[n.target] == 1 for n in writers) or \
-                not all(conv(u) is not None and calls[u.target] == 1 and u.args[0] in inside for u in readers):
+        if not all(conv(n) is not None and used_once(n) for n in writers) or \
+                not all(conv(u) is not None and used_once(u) and u.args[0] in inside for u in readers):
             continue
         sizes = {conv(n).out_channels for n in writers} | {conv(u).in_channels for u in readers}
         if readers and len(sizes) == 1:

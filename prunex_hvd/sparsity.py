@@ -179,6 +179,89 @@ def resolve_specs(named_params, sparsity) -> dict:
     return out
 
 
+def _suggest(overrides: dict, sparsity) -> dict:
+    """The user's ``sparsity`` with ``overrides`` ({name: spec}) put first, as a dict to paste back."""
+    rules = dict(sparsity) if isinstance(sparsity, Mapping) else {"*": str(parse_spec(sparsity))}
+    return {**overrides, **{g: (s if isinstance(s, str) else str(parse_spec(s))) for g, s in rules.items()
+                            if g not in overrides}}
+
+
+def check_layer_types(model: torch.nn.Module, specs: Mapping[str, "StructureSpec"], sparsity=None) -> None:
+    """``ValueError`` when a structured weight belongs to a layer whose weight the GEMM view does not fit.
+
+    * ``ConvTranspose2d``: its weight is ``(C_in, C_out/groups, KH, KW)``, so 'filter' would drop its input
+      channels and 'channel' its outputs. It must stay dense.
+    * a grouped ``Conv2d`` (``groups > 1``): dim 1 holds ``C_in/groups`` channels of EACH group, so 'channel c'
+      or a 'shape' column would be dropped at the same place in every group at once, not as the user means
+      it. Dropping output filters is valid there: 'filter:K' is accepted. A depthwise conv (one input channel
+      per filter) passes with 'channel:K' too: that stage can drop nothing there (:func:`stages_removing_nothing`
+      reports it).
+
+    ``sparsity`` (the user's argument, optional) only shapes the message: it shows the dict to write instead.
+    """
+    problems, overrides = [], {}
+    for module_name, module in model.named_modules():
+        name = f"{module_name}.weight" if module_name else "weight"
+        spec = specs.get(name)
+        if spec is None or getattr(module, "weight", None) is None:
+            continue
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.modules.conv._ConvTransposeNd):
+            problems.append(f"{name!r} belongs to a {kind}, whose weight is (C_in, C_out/groups, KH, KW): "
+                            f"'filter' would drop its input channels and 'channel' its outputs")
+            overrides[name] = "dense"
+        elif isinstance(module, torch.nn.Conv2d) and module.groups > 1:
+            per_group = module.weight.shape[1]
+            ksize = module.weight.shape[2] * module.weight.shape[3]
+            bad = [k for k, _ in spec.parts if (k == "channel" and per_group > 1) or (k == "shape" and
+                                                                                     per_group * ksize > 1)]
+            if bad:
+                problems.append(f"{name!r} belongs to a grouped {kind} (groups={module.groups}, {per_group} input "
+                                f"channels per group): {' and '.join(repr(k) for k in bad)} would drop the same "
+                                f"position in every group at once")
+                keeps = dict(spec.parts)
+                overrides[name] = f"filter:{_fmt_keep(keeps.get('filter', keeps[bad[0]]))}"
+    if problems:
+        advice = "leave it dense" if len(problems) == 1 else "leave them dense"
+        if any(s.startswith("filter") for s in overrides.values()):
+            advice += " (a grouped conv may lose whole output filters)"
+        instead = _suggest(overrides, sparsity if sparsity is not None else "dense")
+        raise ValueError("structured sparsity does not fit these layers: " + "; ".join(problems) +
+                         f". Instead, {advice}, e.g. sparsity={instead!r}")
+
+
+def stages_removing_nothing(shapes: Mapping[str, Tuple[int, ...]],
+                            specs: Mapping[str, "StructureSpec"]) -> dict:
+    """``{name: (kind, ...)}``: the stages of each layer's spec that can remove nothing from its weight, whatever
+    its values: a keep ratio below 1 whose kept count is still every group (``channel:K`` on a stem that reads
+    one input channel, or on a depthwise conv; ``filter:K`` on a one-filter layer; ``shape:K`` keeping at least
+    the columns the channel stage left). A stage written with keep 1 asks for nothing and is not listed.
+    ``shapes``: ``{name: weight shape}`` (tensors work too)."""
+    out = {}
+    for name, spec in specs.items():
+        spec = parse_spec(spec)
+        shape = tuple(getattr(shapes[name], "shape", shapes[name]))
+        if len(shape) != 4:
+            continue
+        c_out, c_in = shape[0], shape[1]
+        ksize = shape[2] * shape[3]
+        columns_left = c_in * ksize
+        idle = []
+        for kind, keep in spec.parts:
+            if kind == "filter":
+                removes = keep_count(keep, c_out) < c_out
+            elif kind == "channel":
+                kept = keep_count(keep, c_in)
+                removes, columns_left = kept < c_in, kept * ksize
+            else:   # shape ranks all C_in*KH*KW columns, the channel stage's zeros among them
+                removes = keep_count(keep, c_in * ksize) < columns_left
+            if not removes and keep < 1.0:
+                idle.append(kind)
+        if idle:
+            out[name] = tuple(idle)
+    return out
+
+
 # --------------------------------------------------------------------------------------------- masks
 
 def gemm_view(weight: Tensor) -> Tensor:
@@ -295,6 +378,13 @@ def stream_channels(weights: Mapping[str, Tensor], readers, writers, keep: float
     return _top_mask(score, keep_count(keep, score.numel()))
 
 
+def read_channels(cols: Tensor, c_in: int) -> Tensor:
+    """The input channels a column mask reads (``bool[c_in]``): channel ``c`` counts when ANY of its kernel
+    positions is kept. A shape stage can drop some positions of a kept channel, its first one included, and the
+    producer filter behind that channel is still read through the others."""
+    return cols.view(c_in, -1).any(1)
+
+
 def coupled_masks(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureSpec"],
                   couplings: Mapping[str, str], streams=()) -> dict:
     """Masks ``{name: (rows, cols)}`` for every name in ``specs``, with channel pruning coupled along
@@ -303,15 +393,26 @@ def coupled_masks(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureS
 
     For a coupled pair, input channel ``c`` of the consumer and filter ``c`` of the producer are one group:
     the consumer's channel stage ranks channels by the squared norm of its column block plus that of the
-    producer's filter, and the producer keeps exactly the filters of the kept channels (its own filter stage,
-    if its spec has one, is superseded). A pair counts only when both are in ``specs`` and the consumer's
-    spec has a channel stage. Without couplings this is :func:`structured_masks` per layer.
+    producer's filter, and the producer keeps exactly the filters of the channels the consumer still reads,
+    at any kernel position (:func:`read_channels`; its own filter stage, if its spec has one, is superseded).
+    A pair counts only when both are in ``specs`` and the consumer's spec has a channel stage. A producer may
+    have one consumer only (``ValueError`` otherwise: the other would read filters pruned for the first).
+    Without couplings this is :func:`structured_masks` per layer.
 
     A stream is one group over all its members (:func:`stream_channels`, keep from :func:`stream_keep`): its
     readers' channel stage and its writers' filter stage are replaced by the group's channel set. Streams are
     decided first, on the weights as they are; pairs then rank given them (a producer that reads a stream
     scores only its filters' kept columns: the exact choice given the stream's).
     """
+    readers_of: dict = {}
+    for consumer, producer in couplings.items():
+        readers_of.setdefault(producer, []).append(consumer)
+    shared = {p: c for p, c in readers_of.items() if len(c) > 1}
+    if shared:
+        p, c = next(iter(shared.items()))
+        raise ValueError(f"couplings: {p} is the producer of {len(c)} consumers ({', '.join(c)}); a producer's "
+                         f"filters can follow one consumer's channels only (a conv called twice, or a feature map "
+                         f"read by several convs, is not a pair)")
     stream_rows, stream_cols = {}, {}
     for readers, writers in streams:
         ch = stream_channels(weights, readers, writers, stream_keep(specs, readers, writers))
@@ -326,14 +427,17 @@ def coupled_masks(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureS
         raise ValueError(f"{twice[0]} is in a coupled pair and a residual stream on the same side")
     consumer_of = {p: c for c, p in live.items()}
     out: dict = {}
+    busy = set()   # a cycle of pairs would recurse for ever
 
     def masks(name):   # consumers before their producers: a producer's rows are its consumer's channels
         if name not in out:
+            if name in busy:
+                raise ValueError(f"couplings form a cycle through {name}: a conv cannot produce its own input")
+            busy.add(name)
             rows, bonus = stream_rows.get(name), None
             if name in consumer_of:
                 _, ccols = masks(consumer_of[name])
-                w = weights[consumer_of[name]]
-                rows = ccols.view(w.shape[1], -1)[:, 0]
+                rows = read_channels(ccols, weights[consumer_of[name]].shape[1])
             if name in live:
                 producer = gemm_view(square_f32(weights[live[name]]))
                 if live[name] in stream_cols:   # the producer's columns are the stream's: only those count

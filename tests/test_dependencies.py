@@ -251,3 +251,73 @@ def test_optimizer_coupled_finalizes_dead_filters_to_zero(single_process):
     dead_filters = model[0].weight.detach().reshape(8, -1).abs().sum(1) == 0
     assert int(dead_channels.sum()) == 4 and torch.equal(dead_channels, dead_filters)
     assert opt.stats()["density"] == pytest.approx((4 * 2 * 9 + 6 * 4 * 9) / (8 * 3 * 9 + 6 * 8 * 9))
+
+
+def test_coupled_producer_keeps_every_filter_its_consumer_reads_at_any_kernel_position():
+    """A shape stage on the consumer can drop kernel position 0 of a channel it still reads through other
+    positions: the producer filter behind that channel must stay. (Reading the kept channels off position 0
+    alone dropped every producer filter here while the consumer read 4 channels.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 6, 3))
+    with torch.no_grad():
+        model[3].weight[:, :, 0, 0] *= 1e-3   # kernel position 0: the smallest column of every channel
+    w = {n: p.detach() for n, p in model.named_parameters() if p.dim() == 4}
+    specs = {"0.weight": sparsity.parse_spec("channel:0.5"),
+             "3.weight": sparsity.parse_spec("channel:0.5+shape:0.2")}
+    couplings = dependencies.channel_couplings(model)
+    assert couplings == {"3.weight": "0.weight"}
+    masks = sparsity.coupled_masks(w, specs, couplings)
+    consumer_cols = masks["3.weight"][1].view(8, 9)
+    assert not consumer_cols[:, 0].any()          # the shape stage dropped position 0 everywhere
+    read = consumer_cols.any(1)
+    assert int(read.sum()) == 4
+    assert torch.equal(masks["0.weight"][0], read)
+    assert torch.equal(sparsity.read_channels(masks["3.weight"][1], 8), read)
+    # the projected pair: a filter is zero exactly where no kept consumer column reads its channel
+    projected = sparsity.coupled_project(w, specs, couplings)
+    assert torch.equal(projected["0.weight"].flatten(1).abs().sum(1) != 0,
+                       projected["3.weight"].abs().sum((0, 2, 3)) != 0)
+
+
+class CalledTwice(nn.Module):
+    """``a`` runs twice: its first call feeds ``b``, its second (reading ``b``) feeds ``c``; d -> e is a plain
+    pair beside them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1)
+        self.d, self.e = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = self.b(torch.relu(h))
+        h = self.a(torch.relu(h))
+        return self.c(torch.relu(h)) + self.e(torch.relu(self.d(x)))
+
+
+def test_a_conv_called_twice_is_in_no_pair():
+    """Its weight is used in two places: as the producer of b and of c, and as b's consumer. Any pair with it
+    decides its filters for one call only, and the other call's reader reads pruned filters."""
+    assert dependencies.channel_couplings(CalledTwice()) == {"e.weight": "d.weight"}
+    # a conv consuming its own output through a second call
+    loop = nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU())
+    model = nn.Sequential(loop, loop, nn.Conv2d(4, 4, 1))
+    assert dependencies.channel_couplings(model) == {}
+
+
+def test_coupled_masks_refuses_a_producer_with_two_consumers_and_cycles():
+    g = torch.Generator().manual_seed(1)
+    w = {n: torch.randn(4, 4, 1, 1, generator=g) for n in "abc"}
+    specs = {n: sparsity.parse_spec("channel:0.5") for n in w}
+    with pytest.raises(ValueError, match=r"a is the producer of 2 consumers \(b, c\)"):
+        sparsity.coupled_masks(w, specs, {"b": "a", "c": "a"})
+    with pytest.raises(ValueError, match="cycle"):
+        sparsity.coupled_masks(w, specs, {"b": "a", "a": "b"})
+
+
+def test_tied_conv_weights_are_in_no_pair():
+    """Two modules sharing one weight: the same weight in two places, as a conv called twice."""
+    model = nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.ReLU(), nn.Conv2d(4, 4, 1))
+    assert dependencies.channel_couplings(model) == {"2.weight": "0.weight", "4.weight": "2.weight"}
+    model[4].weight = model[0].weight
+    assert dependencies.channel_couplings(model) == {}

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from prunex_hvd import native as native_kernel
+from prunex_hvd import sparsity as sparsity_module
 from prunex_hvd.buckets import BucketLayout
 from prunex_hvd.sparsity import (KernelPlan, GatherPlan, StructureSpec, apply_masks, density, gather_plan, gemm_view,
                                  keep_count, masks_to_indices, parse_spec, project, recover, recover_gather, resolve_specs, shrink,
@@ -408,6 +409,68 @@ def test_resolve_errors():
         resolve_specs(net.named_parameters(), {"conv1.weight": "chanel:0.5"})
     with pytest.raises(ValueError, match="unknown structure kind"):
         resolve_specs(net.named_parameters(), "chanel:0.5")
+
+
+class Mixed(nn.Module):
+    """A 1-channel stem, a grouped conv (2 channels per group), a depthwise conv, a transposed conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 8, 3, padding=1)
+        self.grouped = nn.Conv2d(8, 8, 3, padding=1, groups=4)
+        self.depthwise = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+
+    def forward(self, x):
+        return self.up(self.depthwise(self.grouped(self.stem(x))))
+
+
+def test_layer_types_the_gemm_view_does_not_fit_are_refused_by_name():
+    net = Mixed()
+    # ConvTranspose2d: dim 0 is its input channels, so even 'filter' means something else there
+    for spec in ("filter:0.5", "channel:0.5", "shape:0.5"):
+        specs = resolve_specs(net.named_parameters(), {"up.*": spec, "*": "dense"})
+        with pytest.raises(ValueError, match=r"'up\.weight' belongs to a ConvTranspose2d, whose weight is "
+                                             r"\(C_in, C_out/groups, KH, KW\).*'up\.weight': 'dense'"):
+            sparsity_module.check_layer_types(net, specs)
+    # grouped: 'channel' and 'shape' would drop one position in every group; output filters may go
+    specs = resolve_specs(net.named_parameters(), {"grouped.*": "channel:0.5", "*": "dense"})
+    with pytest.raises(ValueError, match=r"'grouped\.weight' belongs to a grouped Conv2d \(groups=4, 2 input "
+                                         r"channels per group\): 'channel' would drop.*"
+                                         r"'grouped\.weight': 'filter:0\.5'"):
+        sparsity_module.check_layer_types(net, specs)
+    sparsity_module.check_layer_types(net, resolve_specs(net.named_parameters(), {"grouped.*": "filter:0.5",
+                                                                                   "*": "dense"}))
+    # depthwise: one input channel per filter, so 'channel' can drop nothing (a warning elsewhere), 'shape' can
+    sparsity_module.check_layer_types(net, resolve_specs(net.named_parameters(), {"depthwise.*": "channel:0.5",
+                                                                                   "*": "dense"}))
+    specs = resolve_specs(net.named_parameters(), {"depthwise.*": "filter:0.25+shape:0.5", "*": "dense"})
+    with pytest.raises(ValueError, match=r"'depthwise\.weight'.*'shape' would drop.*"
+                                         r"'depthwise\.weight': 'filter:0\.25'"):
+        sparsity_module.check_layer_types(net, specs)
+    # one glob over all of them: every offender named at once, with the dict to write instead
+    glob = "channel:0.5"
+    with pytest.raises(ValueError) as err:
+        sparsity_module.check_layer_types(net, resolve_specs(net.named_parameters(), glob), glob)
+    message = str(err.value)
+    assert "'grouped.weight'" in message and "'up.weight'" in message and "'depthwise.weight'" not in message
+    assert "sparsity={'grouped.weight': 'filter:0.5', 'up.weight': 'dense', '*': 'channel:0.5'}" in message
+
+
+def test_stages_that_can_remove_nothing():
+    shapes = {"stem": (8, 1, 3, 3), "depthwise": (8, 1, 3, 3), "one_filter": (1, 8, 3, 3), "small": (4, 3, 1, 1),
+              "plain": (8, 8, 3, 3), "point": (8, 8, 1, 1)}
+    specs = {"stem": parse_spec("channel:0.5"), "depthwise": parse_spec("filter:0.5+channel:0.5"),
+             "one_filter": parse_spec("filter:0.5+channel:0.5"), "small": parse_spec("channel:0.9"),
+             "plain": parse_spec("channel:0.5+shape:0.6"), "point": parse_spec("channel:1+shape:0.5")}
+    assert sparsity_module.stages_removing_nothing(shapes, specs) == {
+        "stem": ("channel",), "depthwise": ("channel",), "one_filter": ("filter",),
+        "small": ("channel",),    # ceil(0.9*3) = 3: all of them
+        "plain": ("shape",),      # shape keeps ceil(0.6*72) = 44 columns, the channel stage left 36
+    }                             # 'channel:1' asks for nothing: not listed
+    assert sparsity_module.stages_removing_nothing({"w": torch.zeros(4, 1, 1, 1)}, {"w": "shape:0.5"}) == \
+        {"w": ("shape",)}
+    assert sparsity_module.stages_removing_nothing(shapes, {"plain": parse_spec("channel:0.5+shape:0.4")}) == {}
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
