@@ -20,7 +20,9 @@ Tuning (what each knob does to speed and accuracy):
 * ``sparsity`` — the structure to keep: ``"filter:K"``, ``"channel:K"``, ``"shape:K"`` (K = fraction KEPT),
   joined with ``"+"`` (applied filter → channel → shape), or ``{name_glob: spec}`` per layer (``"dense"``
   excludes a layer). Only conv weights (4-D) are structured; the rest joins the consensus densely. Inter-node
-  traffic shrinks with the kept fraction.
+  traffic shrinks with the kept fraction. A ``ConvTranspose2d`` must be left dense, and a grouped conv may
+  only lose output filters (``filter:K``): the error names the layer and the dict to write. A stage that can
+  remove nothing from a layer (``channel:K`` on a 1-channel stem or a depthwise conv) is one warning on rank 0.
 * ``freeze_round`` / ``freeze_patience`` — masks stop moving after that round, or once the global mask is
   unchanged for that many rounds; then buffers are allocated once and projection is skipped.
 * ``masked_retrain`` — after freezing, keep θ on the frozen structure (gradients and weights masked): the
@@ -44,13 +46,15 @@ Tuning (what each knob does to speed and accuracy):
 from __future__ import annotations
 
 import math
+import warnings
 from numbers import Real
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from . import agreement, dependencies, runtime
-from .sparsity import resolve_specs, stream_keep   # the factory's `sparsity` argument shadows the module name
+# names, not the module: the factory's `sparsity` argument shadows it
+from .sparsity import check_layer_types, resolve_specs, stages_removing_nothing, stream_keep
 from .comm import groups as comm_groups
 from .comm.base import Groups, SingleCommunicator
 from .hsadmm import HSADMM
@@ -169,6 +173,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         if not isinstance(freeze_patience, int) or freeze_patience < 1:
             raise ValueError(f"freeze_patience must be an integer >= 1, got {freeze_patience!r}")
         specs = resolve_specs(model.named_parameters(), sparsity)
+        check_layer_types(model, specs, sparsity)   # ConvTranspose2d, grouped convs: before anything uses specs
         couplings, streams = _couplings(model, specs, coupled) if coupled else ({}, [])
         return (specs, couplings, streams), {
             "sparsity": {n: str(s) for n, s in specs.items()}, "coupled": couplings,
@@ -178,6 +183,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
             "hierarchical": hierarchical}
     specs, couplings, streams = agreement.checked_construction("prunex_hvd.DistributedOptimizer", backend, model,
                                                                checks)
+    if runtime.topology().rank == 0:   # every rank resolved the same specs: say it once
+        warn_stages_removing_nothing(model, specs)
     return mix_into(optimizer, _DistributedOptimizer, model, specs, couplings, streams, local_steps, rho1, rho2,
                     rho_max, adaptive_rho, weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend,
                     masked_retrain, hierarchical)
@@ -204,6 +211,19 @@ def _couplings(model, specs, coupled) -> Tuple[Dict[str, str], list]:
                          "channel stage (needs a 'channel:K' spec on both, and no residual in between): "
                          "nothing to couple")
     return pairs, streams
+
+
+def warn_stages_removing_nothing(model, specs) -> None:
+    """One warning naming every layer where a stage of its spec can remove nothing (a glob 'channel:K' reaches
+    a grayscale model's stem, which reads one channel, and depthwise convs, one channel per filter): not an
+    error, but the layer stays denser than asked and saves less traffic."""
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if n in specs}
+    idle = stages_removing_nothing(shapes, specs)
+    if idle:
+        listed = ", ".join(f"{n} {shapes[n]}: " + "+".join(f"{k}:{dict(specs[n].parts)[k]:g}" for k in kinds)
+                           for n, kinds in idle.items())
+        warnings.warn(f"sparsity: these stages can remove nothing from their layers, which stay denser than asked "
+                      f"(too few filters, input channels or columns for the keep ratio): {listed}", stacklevel=3)
 
 
 def check_wrapping(optimizer, model, bucket_mb) -> list:

@@ -204,3 +204,51 @@ def test_inf_or_nan_stops_the_round_before_any_state_changes(where, named):
         model[1].running_var.clamp_(max=1.0)
     opt.consensus()
     assert eng.round == 2
+
+
+class _Mixed(nn.Module):
+    """A 1-channel stem, a depthwise conv, an optional transposed conv or grouped conv."""
+
+    def __init__(self, last=None):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 8, 3, padding=1)
+        self.depthwise = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.mix = nn.Conv2d(8, 8, 1)
+        self.last = last if last is not None else nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.last(self.mix(torch.relu(self.depthwise(torch.relu(self.stem(x))))))
+
+
+def _wrap(model, **kw):
+    return px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, **kw)
+
+
+def test_layers_the_gemm_view_does_not_fit_are_refused_with_what_to_write():
+    with pytest.raises(ValueError, match=r"'last\.weight' belongs to a ConvTranspose2d.*"
+                                         r"sparsity=\{'last\.weight': 'dense', '\*': 'channel:0\.5'\}"):
+        _wrap(_Mixed(nn.ConvTranspose2d(8, 4, 2, stride=2)), sparsity="channel:0.5")
+    with pytest.raises(ValueError, match=r"'last\.weight' belongs to a grouped Conv2d \(groups=2.*"
+                                         r"sparsity=\{'last\.weight': 'filter:0\.5', 'stem\.\*': 'dense', "
+                                         r"'\*': 'channel:0\.5'\}"):
+        _wrap(_Mixed(nn.Conv2d(8, 4, 1, groups=2)), sparsity={"stem.*": "dense", "*": "channel:0.5"})
+    # what the message says to write works
+    _wrap(_Mixed(nn.ConvTranspose2d(8, 4, 2, stride=2)), sparsity={"last.weight": "dense", "*": "filter:0.5"})
+    _wrap(_Mixed(nn.Conv2d(8, 4, 1, groups=2)), sparsity={"last.weight": "filter:0.5", "*": "filter:0.5"})
+
+
+def test_stages_that_remove_nothing_are_one_warning_naming_the_layers():
+    """'channel:0.5' over every conv reaches the 1-channel stem and the depthwise conv, where it can drop
+    nothing: one warning naming both, on rank 0 (here the only one), and the optimizer is built."""
+    with pytest.warns(UserWarning, match=r"can remove nothing") as record:
+        opt = _wrap(_Mixed(), sparsity="channel:0.5")
+    messages = [str(w.message) for w in record if "can remove nothing" in str(w.message)]
+    assert len(messages) == 1
+    assert "stem.weight (8, 1, 3, 3): channel:0.5" in messages[0]
+    assert "depthwise.weight (8, 1, 3, 3): channel:0.5" in messages[0]
+    assert "mix.weight" not in messages[0] and "last.weight" not in messages[0]
+    assert opt.stats()["rounds"] == 0
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # nothing to report: no warning at all
+        _wrap(_Mixed(), sparsity={"stem.*": "dense", "depthwise.*": "filter:0.5", "*": "channel:0.5"})
