@@ -60,9 +60,10 @@ def reference_masks(weights, specs, couplings, streams=()):
     for name in set(rows) | set(chans):
         w = weights[name]
         r = rows.get(name, torch.ones(w.shape[0], dtype=torch.bool))
-        c = chans[name] if name in chans else structured_masks(w * r[:, None, None, None], specs[name])[1].view(
-            w.shape[1], -1)[:, 0]
-        out[name] = (r, c.repeat_interleave(w.shape[2] * w.shape[3]))
+        # a layer's own columns (every stage of its spec) where no group fixes its input channels
+        cols = chans[name].repeat_interleave(w.shape[2] * w.shape[3]) if name in chans else \
+            structured_masks(w * r[:, None, None, None], specs[name])[1]
+        out[name] = (r, cols)
     return out
 
 
