@@ -29,16 +29,25 @@ def _keep(spec):
     return float(str(spec).split(":")[1])
 
 
+def _consumer_keep(spec):
+    """A coupled consumer's channel keep: its spec is a channel stage, then perhaps a shape stage."""
+    parts = dict(part.split(":") for part in str(spec).split("+"))
+    assert set(parts) in ({"channel"}, {"channel", "shape"}), spec
+    return float(parts["channel"])
+
+
 def reference_masks(weights, specs, couplings, streams=()):
     """Projection supports, written plainly: per layer, except coupled groups (channel-only specs).
 
     A residual stream (readers, writers) first: input channel c of every reader and filter c of every writer
     are one group ranked by their summed squares. Then a coupled pair: input channel c of the consumer and
     filter c of the producer, ranked by their summed squares, where a producer that reads a stream counts only
-    its stream's kept input channels. A layer's other side is its own channel stage on the weight with the
-    group's zeros in."""
+    its stream's kept input channels; a consumer's shape stage then runs on its kept channels, and the
+    producer keeps the filters of the channels the consumer still reads at any kernel position. A layer's
+    other side is its own stages on the weight with the group's zeros in."""
     out = {name: structured_masks(weights[name], spec) for name, spec in specs.items()}
     rows, chans = {}, {}   # fixed by a group: filters (writers, producers), input channels (readers, consumers)
+    consumer_cols = {}
     for readers, writers in streams:
         ws = {n: weights[n].double() for n in readers + writers}
         keeps = {_keep(specs[n]) for n in readers + writers}
@@ -56,12 +65,16 @@ def reference_masks(weights, specs, couplings, streams=()):
         if consumer in rows:
             wc = wc * rows[consumer][:, None, None, None]
         score = wc.pow(2).sum((0, 2, 3)) + wp.pow(2).reshape(wp.shape[0], -1).sum(1)
-        chans[consumer] = rows[producer] = _top(score, max(1, math.ceil(_keep(specs[consumer]) * wc.shape[1] - 1e-9)))
+        chans[consumer] = _top(score, max(1, math.ceil(_consumer_keep(specs[consumer]) * wc.shape[1] - 1e-9)))
+        consumer_cols[consumer] = structured_masks(weights[consumer], specs[consumer], rows=rows.get(consumer),
+                                                   channels=chans[consumer])[1]
+        rows[producer] = consumer_cols[consumer].view(wc.shape[1], -1).any(1)
     for name in set(rows) | set(chans):
         w = weights[name]
         r = rows.get(name, torch.ones(w.shape[0], dtype=torch.bool))
         # a layer's own columns (every stage of its spec) where no group fixes its input channels
-        cols = chans[name].repeat_interleave(w.shape[2] * w.shape[3]) if name in chans else \
+        cols = consumer_cols[name] if name in consumer_cols else \
+            chans[name].repeat_interleave(w.shape[2] * w.shape[3]) if name in chans else \
             structured_masks(w * r[:, None, None, None], specs[name])[1]
         out[name] = (r, cols)
     return out

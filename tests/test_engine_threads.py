@@ -23,9 +23,11 @@ LAYOUTS = [(1, 1), (1, 3), (3, 1), (2, 2), (2, 3)]
 CASES = {"channel": ("chain", "channel:0.5", False, cases.CHANNEL, None, ()),
          "mixed": ("chain", cases.MIXED_SPARSITY, False, cases.MIXED, None, ()),
          "coupled": ("chain", "channel:0.5", True, cases.CHANNEL, cases.PAIR, ()),
+         "coupled-shape": ("chain", cases.SHAPED_CONSUMER, True, cases.SHAPED_CONSUMER, cases.PAIR, ()),
          "streams": ("residual", "channel:0.5", "streams", cases.RESIDUAL, cases.RESIDUAL_PAIR, cases.STREAM)}
 RUNS = [(layout, "channel") for layout in LAYOUTS] + \
-       [(layout, case) for case in ("mixed", "coupled", "streams") for layout in ((2, 2), (2, 3))]
+       [(layout, case) for case in ("mixed", "coupled", "streams") for layout in ((2, 2), (2, 3))] + \
+       [((2, 2), "coupled-shape")]
 
 
 def train_on_threads(num_nodes, local_size, kind, sparsity, coupled):
