@@ -4,7 +4,8 @@ The worker compares every rank's u, z_i, v, z, ρ, masks and BN buffers with `re
 after each round (different data per rank, adaptive ρ, a frozen round at the end). Here we check what it
 reports: the checks ran, the model is identical everywhere and at the requested density after finalize(),
 and the leaders' inter-node payload equals the compact sizes exactly while non-leaders send nothing across.
-The same checks (tests/engine_cases.py) run on other layouts, in one process, in test_engine_threads.py."""
+The same checks (tests/engine_cases.py) run on other layouts and cases (coupled pairs, residual streams), in
+one process, in test_engine_threads.py; a launch is kept per launcher and transport for what only it shows."""
 import json
 
 import pytest
@@ -33,25 +34,6 @@ def test_engine_mpirun_gloo_composite_specs(tmp_path):
     proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "gloo", "--sparsity", MIXED_ARG,
                                     "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
     check(proc, tmp_path, MIXED)
-
-
-@needs_mpirun
-def test_engine_mpirun_coupled_channels(tmp_path):
-    """coupled=True: conv 3's input channels and conv 0's filters are pruned as one group, every round
-    checked against the reference's plain joint ranking; conv 0 ends with half its filters."""
-    proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "mpi", "--coupled", "--out", str(tmp_path)),
-                      ["PRUNEX_RANKS_PER_NODE=2"]))
-    check(proc, tmp_path, CHANNEL, couplings=PAIR)
-
-
-@needs_mpirun
-def test_engine_mpirun_coupled_streams(tmp_path):
-    """coupled="streams": the residual stream's readers (a, c, shortcut d) and writers (stem, b) share one
-    channel set, and the pair a -> b ranks given it; every round checked against the reference's plain joint
-    ranking, and after finalize() every stream channel is live in all five convs or in none."""
-    proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "mpi", "--model", "residual",
-                                    "--coupled-streams", "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
-    check(proc, tmp_path, RESIDUAL, couplings=RESIDUAL_PAIR, streams=STREAM)
 
 
 @needs_horovod
