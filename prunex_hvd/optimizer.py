@@ -42,6 +42,10 @@ Tuning (what each knob does to speed and accuracy):
 * ``hierarchical=False`` — the paper's "PruneX (AR)" ablation: one flat consensus over the world group
   (every rank allreduces its dense θ + u, the projection applies to the global variable). Same math with
   M = 1 node of all ranks; it shows what the hierarchy saves.
+* float16 / bfloat16 models train as they are: the consensus state and its arithmetic stay float32 (as AMP
+  keeps master weights), what travels is in the model's dtype.
+* ``finalize()`` ends training with the consensus model (z and the last round's averaged BatchNorm
+  statistics) on every rank; ``consensus_weights()`` lends it for an evaluation mid-run.
 """
 from __future__ import annotations
 
