@@ -2,7 +2,12 @@
 here; writes the ledger per backend to OUT/rank{R}.json for the parent test to check byte counts exactly.
 
     mpirun -np 4 python comm_worker.py --backends mpi,gloo --out DIR
-On an error, prints "[rank R] prunex_hvd error: ..." and exits 3 (the bad-launch tests read that)."""
+    mpirun -np 4 -x PRUNEX_RANKS_PER_NODE=3 python comm_worker.py --try-init env,bogus,nccl --ranks-per-node 2 --out DIR
+On an error, prints "[rank R] prunex_hvd error: ..." and exits 3 (the bad-launch tests read that).
+
+``--try-init`` first makes each of the named ``prunex_hvd.init`` calls of ``TRIES`` in turn (each meant to fail
+on every rank: they stay in step), writing the error caught to OUT/CASE/error.rank{R}.txt, then goes on as
+without it (``init`` with the other arguments, which must still work after those failures)."""
 import argparse
 import json
 import os
@@ -11,6 +16,29 @@ import time
 import traceback
 
 import torch
+
+
+# prunex_hvd.init keyword arguments tried by --try-init, each expected to fail on every rank
+TRIES = {"env": {},                                          # whatever the launch set (PRUNEX_RANKS_PER_NODE)
+         "bogus": {"backend": "bogus"},
+         "nccl": {"backend": "nccl", "ranks_per_node": 2}}
+
+
+def error_line(exc):
+    return f"[rank {env_rank()}] prunex_hvd error: {type(exc).__name__}: {exc}"
+
+
+def try_init(px, cases, out):
+    for case in cases:
+        folder = os.path.join(out, case)
+        os.makedirs(folder, exist_ok=True)
+        try:
+            px.init(**TRIES[case])
+        except Exception as exc:  # noqa: BLE001 - the parent test checks which
+            with open(os.path.join(folder, f"error.rank{env_rank()}.txt"), "w") as f:
+                f.write(error_line(exc))
+        else:
+            px.shutdown()
 
 
 def env_rank():
@@ -115,9 +143,16 @@ def main():
     ap.add_argument("--ranks-per-node", type=int, default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--try-init", default="", help="comma-separated, before the real init: " + ", ".join(TRIES))
     a = ap.parse_args()
+    tries = list(filter(None, a.try_init.split(",")))
+    if tries and not a.out:
+        ap.error("--try-init needs --out")
+    if set(tries) - set(TRIES):
+        ap.error(f"--try-init: unknown {', '.join(sorted(set(tries) - set(TRIES)))}; choose from {', '.join(TRIES)}")
     try:
         import prunex_hvd as px
+        try_init(px, tries, a.out)
         topo = px.init(backend=a.init_backend, ranks_per_node=a.ranks_per_node)
         if a.device == "cuda":
             torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
@@ -125,7 +160,7 @@ def main():
         for backend in filter(None, a.backends.split(",")):
             result["backends"][backend] = exercise(px, backend, topo, a.device)
     except Exception as exc:  # noqa: BLE001 - reported to the parent test, with the rank
-        message = f"[rank {env_rank()}] prunex_hvd error: {type(exc).__name__}: {exc}"
+        message = error_line(exc)
         if a.out:   # a file per rank: launchers may split lines of different ranks into each other
             with open(os.path.join(a.out, f"error.rank{env_rank()}.txt"), "w") as f:
                 f.write(message)
