@@ -7,7 +7,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 export PIP_NO_WARN_SCRIPT_LOCATION := 0
 
-.PHONY: setup test demo compare bench python clean
+.PHONY: setup test test-fast demo compare bench python clean
 
 # idempotent: a second run only checks (seconds); the Horovod wheel is cached in ~/.cache/prunex_hvd
 setup: $(STAMP)
@@ -15,8 +15,13 @@ $(STAMP): scripts/setup.sh scripts/build_horovod.sh setup.cfg pyproject.toml
 	VENV=$(VENV) bash scripts/setup.sh
 	@touch $@
 
+# everything, real mpirun / horovodrun / torchrun launches included (what CI runs)
 test: setup
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+# the developer's loop: everything but the real launches (tests marked `launch`)
+test-fast: setup
+	$(PY) -m pytest -q -rs -m "not launch" $(PYTEST_ARGS)
 
 demo: setup
 	bash scripts/demo.sh $(PY)
