@@ -71,8 +71,8 @@ def test_prunex_flat_bytes_per_round(compared):
     # per-layer residual sums (float64), with each rank's round, step count and inf/NaN flag (4 ranks) and the
     # per-layer inf/NaN flags riding along ...
     residuals = (len(params) * 3 + 4 * 3 + len(params) + 1) * 8
-    # ... summed, then broadcast down the chain 0→1→2→3 (only 1→2 crosses)
-    per_round = ring_allreduce_cross(dense) + ring_allreduce_cross(residuals) + residuals
+    # ... summed over the one group (the world): its allreduce is the job's sum, nothing is broadcast after it
+    per_round = ring_allreduce_cross(dense) + ring_allreduce_cross(residuals)
     assert s["prunex-flat"]["inter_bytes"] == s["prunex-flat"]["rounds"] * per_round
     assert s["prunex-flat"]["dense_inter_bytes"] == s["prunex-flat"]["rounds"] * ring_allreduce_cross(dense)
 
