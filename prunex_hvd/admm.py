@@ -1,6 +1,6 @@
 """The H-SADMM updates as pure tensor functions: no communication, no state.
 
-Notation (DESIGN.md): θ a rank's parameter, u its intra dual, z_i the node consensus, v_i the inter dual,
+Notation (docs/algorithm.md): θ a rank's parameter, u its intra dual, z_i the node consensus, v_i the inter dual,
 z the global consensus; ρ1 (intra) and ρ2 (inter) penalties; λ the z-step weight decay; P ranks per node,
 M nodes. Duals are *scaled* (u = y/ρ), so a change of ρ must rescale them (:func:`rescale_dual`).
 

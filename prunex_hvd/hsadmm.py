@@ -1,4 +1,4 @@
-"""One H-SADMM consensus round (PruneX Algorithm 1, made exact in DESIGN.md), over the node and leader groups.
+"""One H-SADMM consensus round (PruneX Algorithm 1, made exact in docs/algorithm.md), over the node and leader groups.
 
 Every rank of node i holds the same z_i, v_i and z; leaders (local rank 0) alone talk across nodes. A round:
 

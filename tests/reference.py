@@ -1,4 +1,4 @@
-"""A single-process reference of one H-SADMM round over all M×P ranks, written plainly from DESIGN.md in
+"""A single-process reference of one H-SADMM round over all M×P ranks, written plainly from docs/algorithm.md in
 float64 (the engine runs in the model's dtype; tests compare to float tolerance)."""
 import math
 
