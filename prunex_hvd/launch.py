@@ -10,7 +10,6 @@ import importlib.util
 import itertools
 import os
 import pickle
-import socket
 import time
 from typing import Any, Hashable, List, Optional
 
@@ -197,8 +196,7 @@ class TorchrunControl(Control):
         import torch.distributed as dist
         self.dist = dist
         if not dist.is_initialized():
-            from .comm._torch_dist import default_timeout
-            dist.init_process_group("gloo", init_method="env://", timeout=default_timeout())
+            dist.init_process_group("gloo", init_method="env://", timeout=watchdog.default_timeout())
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
 
@@ -230,31 +228,3 @@ def describe(launcher: str) -> str:
 def make_control(launcher: str) -> Control:
     return {"horovod": HorovodControl, "mpi": MPIControl, "torchrun": TorchrunControl,
             "single": Control}[launcher]()
-
-
-def reachable_address() -> str:
-    """An address of this host that the other ranks can reach (used by rank 0 for torch.distributed).
-
-    ``PRUNEX_MASTER_ADDR`` or ``MASTER_ADDR`` win; under horovodrun the interface that routes to the
-    launcher's rendezvous server; else the host name's address."""
-    for var in ("PRUNEX_MASTER_ADDR", "MASTER_ADDR"):
-        if os.environ.get(var):
-            return os.environ[var]
-    target = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
-    if target:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((target, int(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", 1))))
-                return s.getsockname()[0]
-        except OSError:
-            pass
-    try:
-        return socket.gethostbyname(socket.getfqdn())
-    except OSError:
-        return "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]

@@ -25,7 +25,10 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Dict, List, Optional
+
+from .net import reachable_address
 
 ENV_TIMEOUT = "PRUNEX_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
@@ -47,6 +50,14 @@ def timeout_s(value=None) -> float:
         raise ValueError(f"the watchdog timeout ({ENV_TIMEOUT} / --timeout) must be a number of seconds >= 0 "
                          f"(0: off), got {raw!r}")
     return t
+
+
+def default_timeout() -> timedelta:
+    """How long a torch.distributed collective may wait for a peer before failing: past the watchdog's timeout
+    (env ``PRUNEX_TIMEOUT_S``), so the watchdog, which names the missing rank, speaks first; 30 min without it."""
+    wd = current()
+    seconds = timeout_s(wd.timeout if wd else None)
+    return timedelta(seconds=1.5 * seconds + 30 if seconds else 1800)
 
 
 def current() -> Optional["Watchdog"]:
@@ -352,7 +363,6 @@ def start(control, rank: int, size: int, timeout: Optional[float] = None) -> Opt
     Does nothing for one rank or timeout 0."""
     global _current
     stop()
-    from .launch import reachable_address
     seconds, error = None, None
     try:
         seconds = timeout_s(timeout)

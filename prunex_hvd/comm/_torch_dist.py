@@ -5,22 +5,14 @@ world (Horovod or MPI): rank 0 picks an address and a free port and tells the ot
 """
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import List
 
 import torch
 import torch.distributed as dist
 
-from .. import watchdog
+from ..net import free_port, reachable_address
+from ..watchdog import default_timeout
 from .base import Communicator, Groups
-
-def default_timeout() -> timedelta:
-    """How long a torch.distributed collective may wait for a peer before failing: past the watchdog's timeout
-    (env ``PRUNEX_TIMEOUT_S``), so the watchdog, which names the missing rank, speaks first; 30 min without it."""
-    wd = watchdog.current()
-    seconds = watchdog.timeout_s(wd.timeout if wd else None)
-    return timedelta(seconds=1.5 * seconds + 30 if seconds else 1800)
-
 
 def ensure_world(topo, control) -> None:
     if dist.is_initialized():
@@ -28,7 +20,6 @@ def ensure_world(topo, control) -> None:
             raise RuntimeError(f"torch.distributed is initialised as rank {dist.get_rank()}/"
                                f"{dist.get_world_size()} but this job is rank {topo.rank}/{topo.size}")
         return
-    from ..launch import free_port, reachable_address
     addr = control.broadcast_object((reachable_address(), free_port()) if topo.rank == 0 else None)
     dist.init_process_group("gloo", init_method=f"tcp://{addr[0]}:{addr[1]}", rank=topo.rank,
                             world_size=topo.size, timeout=default_timeout())
