@@ -38,10 +38,8 @@ def _info(args) -> int:
         g = px.comm.groups()
         t = torch.ones(int(args.probe_mb * 2**20) // 4)
         px.comm.reset()
-        g.intra.allreduce_(t, "sum")          # the node's sum
-        if topo.is_leader:
-            g.inter.allreduce_(t, "avg")      # leaders average across nodes
-        g.intra.broadcast_(t, root=0)         # and hand it back to their node
+        g.intra.allreduce_(t, "sum")                          # the node's sum
+        g.leaders_then_node_(t, "avg", topo.num_nodes)      # leaders average across nodes, hand it to the node
         probe = px.comm.summary()
     rows = control.allgather_object({"topology": topo.as_dict(), "probe": probe})
     if topo.rank != 0:

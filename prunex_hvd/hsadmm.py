@@ -2,15 +2,17 @@
 
 Every rank of node i holds the same z_i, v_i and z; leaders (local rank 0) alone talk across nodes. A round:
 
- 1. intra-node allreduce-SUM of θ + u                      (dense, fast links)
- 2. node candidate z̃_i, the exact argmin in z_i            (admm.node_candidate, computed on every rank)
- 3. z_i = Π_S(z̃_i); leaders OR the row/col masks          (then z_i = z̃_i ⊙ m once masks are frozen)
- 4. shrink z_i + v_i to the global support; leaders average the compact buckets across nodes
- 5. the leader broadcasts the compact z to its node; everyone recovers z by zero-fill scatter
- 6. v_i += z_i − z,  u += θ − z_i
- 7. residuals (r/s intra, r/s inter) per layer; adaptive ρ with dual rescaling
- 8. float buffers (BatchNorm running stats) averaged in the same buckets; masks frozen when stable, at
-    exactly the requested structure (then θ trains on it: the retraining phase)
+ 1. intra-node allreduce-SUM of θ + u and of the float buffers   (dense, fast links)
+ 2. node candidate z̃_i, the exact argmin in z_i                  (admm.node_candidate, on every rank)
+ 3. z_i = Π_S(z̃_i); leaders OR the row/col masks                (z_i = z̃_i ⊙ m once masks are frozen)
+ 4. leaders shrink z_i + v_i to the global support, average the compact buckets across nodes, and
+    broadcast them to their node                                  (Groups.leaders_then_node_)
+ 5. every rank recovers z from the compact buckets (one pass per layer)
+ 6. verdict: the residuals' job-wide sum carries every rank's round, step count and inf/NaN flags; a round
+    that cannot be trusted is refused on every rank before any state changes
+ 7. v_i += z_i − z,  u += θ − z_i; the float buffers take the round's average
+ 8. residuals (r/s intra, r/s inter) per layer; adaptive ρ with dual rescaling
+ 9. masks frozen when stable, at exactly the requested structure (then θ trains on it: the retraining phase)
 
 Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`HSADMM.add_proximal_grad`).
 
@@ -142,9 +144,7 @@ class HSADMM:
             for k, t in enumerate(tensors):
                 layout.views[k].copy_(t.reshape(-1))
             for buf in layout.buffers:
-                if self.topo.is_leader and self.inter_tier:
-                    self.groups.inter.broadcast_(buf, root=0)
-                self.groups.intra.broadcast_(buf, root=0)
+                self.groups.leaders_then_node_(buf, "broadcast", self.topo.num_nodes)
             for k, t in enumerate(tensors):
                 t.copy_(layout.views[k].view_as(t))
 
@@ -206,13 +206,30 @@ class HSADMM:
             return self._round(steps)
 
     def _round(self, steps: Optional[int]) -> dict:
-        t0 = time.perf_counter()
-        before = self.ledger.summary(by_op=False)
-        g, topo = self.groups, self.topo
-        P, M = topo.local_size, topo.num_nodes
-        n = len(self.entries)
+        """Algorithm 1 as its phases (numbered as in the module docstring and docs/algorithm.md)."""
+        t0, before = time.perf_counter(), self.ledger.summary(by_op=False)
+        nonfinite = self._intra_sum()                 # 1. intra-node sum of θ + u and the float buffers
+        z_i_new = self._node_candidates()             # 2. node candidate z̃_i
+        masks_before = self._mask_state()             #    (put back if the round is refused at 6)
+        self._project(z_i_new)                        # 3. projection Π_S and the leaders' mask OR
+        layout = self._exchange(z_i_new)              # 4. compact exchange among leaders, broadcast to the node
+        z_new = self._recover(layout)                 # 5. recovery of z
+        try:                                          # 6. verdict, from the job-wide residual sum
+            totals, s_inter_sq = self._verdict(z_i_new, z_new, nonfinite, steps)
+        except BaseException:
+            self._restore_mask_state(masks_before)
+            raise
+        self._update_duals(z_i_new, z_new, layout)    # 7. duals (and the averaged float buffers)
+        self._adapt_rho(totals, s_inter_sq)           # 8. residuals and adaptive ρ
+        self.round += 1
+        self._maybe_freeze()                          # 9. freezing
+        return self._report(before, time.perf_counter() - t0, layout.total_numel)
 
-        # 1. intra-node sum of θ + u, and of the float buffers
+    # -- the round's phases ------------------------------------------------------------------------------
+    def _intra_sum(self) -> List[bool]:
+        """Phase 1: θ + u (and the float buffers) into the dense buckets, summed over the node. Returns this
+        rank's own inf/NaN flags, looked for before the sum mixes them in (or a pruned entry hides them)."""
+        n = len(self.entries)
         for k, e in enumerate(self.entries):
             if self.state_dtype == self.dtype:
                 torch.add(e.param.detach().reshape(-1), e.u.reshape(-1), out=self._dense.views[k])
@@ -220,19 +237,22 @@ class HSADMM:
                 self._dense.views[k].copy_(e.param.detach().reshape(-1)).add_(e.u.reshape(-1))
         for j, (_, b) in enumerate(self.buffers):
             self._dense.views[n + j].copy_(b.reshape(-1))
-        # this rank's own inf/NaN, looked for before the node sum mixes it in (or a pruned entry hides it)
         nonfinite = self._nonfinite()
         with self.ledger.tagged("intra-sum"):
             for buf in self._dense.buffers:
-                g.intra.allreduce_(buf, "sum")
+                self.groups.intra.allreduce_(buf, "sum")
+        return nonfinite
 
-        # 2. node candidate, 3. projection onto the structured set
-        z_i_new = []
-        for k, e in enumerate(self.entries):
-            node_sum = self._dense.views[k].view_as(e.z)
-            z_i_new.append(admm.node_candidate(node_sum, e.z, e.v, e.rho1, e.rho2, P, M, self.weight_decay_z))
+    def _node_candidates(self) -> List[torch.Tensor]:
+        """Phase 2: the exact argmin in z_i of every entry (every rank of the node computes the same)."""
+        P, M = self.topo.local_size, self.topo.num_nodes
+        return [admm.node_candidate(self._dense.views[k].view_as(e.z), e.z, e.v, e.rho1, e.rho2, P, M,
+                                    self.weight_decay_z) for k, e in enumerate(self.entries)]
+
+    def _project(self, z_i_new: List[torch.Tensor]) -> None:
+        """Phase 3, in place on the structured candidates: Π_S and the global masks (leaders OR them); once
+        frozen, the frozen masks alone."""
         structured_ks = [k for k, e in enumerate(self.entries) if e.structured]
-        masks_before = self._mask_state()   # put back if the round is refused below
         if not self.frozen:
             local = self._masks({self.entries[k].name: z_i_new[k] for k in structured_ks})
             for k, (rows, cols) in zip(structured_ks, local):
@@ -243,9 +263,12 @@ class HSADMM:
             for k in structured_ks:
                 z_i_new[k] = sparsity.apply_masks(z_i_new[k], self.entries[k].rows, self.entries[k].cols)
 
-        # 4. shrink z_i + v_i onto the global support; leaders average across nodes; 5. compact broadcast
+    def _exchange(self, z_i_new: List[torch.Tensor]) -> BucketLayout:
+        """Phase 4: leaders shrink z_i + v_i onto the global support and average the compact buckets across
+        nodes, then hand them to their node. One node: z = z_i + v, every rank has it, nothing to exchange."""
+        n, P = len(self.entries), self.topo.local_size
         layout = self._compact_layout()
-        if topo.is_leader or M == 1:   # one node: z = z_i + v, every rank has it, nothing to exchange
+        if self.topo.is_leader or not self.inter_tier:
             for k, e in enumerate(self.entries):
                 c = (z_i_new[k] + e.v).to(self.dtype)   # the payload's dtype, so the packing path stays one pass
                 if e.structured:
@@ -255,15 +278,12 @@ class HSADMM:
             for j in range(len(self.buffers)):
                 torch.div(self._dense.views[n + j], P, out=layout.views[n + j])
         with self.ledger.tagged("consensus"):
-            for buf in layout.buffers if M > 1 else ():
-                if topo.is_leader:
-                    g.inter.allreduce_(buf, "avg")
-                g.intra.broadcast_(buf, root=0)
+            for buf in layout.buffers:
+                self.groups.leaders_then_node_(buf, "avg", self.topo.num_nodes)
+        return layout
 
-        # recover z, 7. residuals; their job-wide sum also carries every rank's round, step count and inf/NaN
-        # flags (no extra collective), so every rank takes the same verdict before any state is updated
-        local_sq = torch.zeros(n, 3, dtype=torch.float64, device=self.device)   # on the device: no sync per layer
-        s_inter_sq = torch.zeros(n, dtype=torch.float64, device=self.device)
+    def _recover(self, layout: BucketLayout) -> List[torch.Tensor]:
+        """Phase 5: z of every entry from the compact buckets (one pass per layer), in the state's dtype."""
         z_new = []
         for k, e in enumerate(self.entries):
             if k in self._gathers:   # one gather of whole chunks from the bucket (see _compact_layout)
@@ -273,32 +293,48 @@ class HSADMM:
             else:
                 z = layout.views[k].view_as(e.z).clone()
             z_new.append(z.to(self.state_dtype))
+        return z_new
+
+    def _verdict(self, z_i_new, z_new, nonfinite: List[bool], steps: Optional[int]):
+        """Phase 6, the safety protocol: the residuals' job-wide sum also carries every rank's round, step count
+        and inf/NaN flags (no extra collective), so every rank takes the same verdict before any state changes
+        (:meth:`_check_round` raises). Returns the summed residual squares (n × 3) and s_inter² per entry."""
+        P, M, n = self.topo.local_size, self.topo.num_nodes, len(self.entries)
+        local_sq = torch.zeros(n, 3, dtype=torch.float64, device=self.device)   # on the device: no sync per layer
+        s_inter_sq = torch.zeros(n, dtype=torch.float64, device=self.device)
+        for k, e in enumerate(self.entries):
             local_sq[k, 0] = admm.sq_norm(e.param.detach() - z_i_new[k])
-            if topo.is_leader:   # node-level terms: once per node, the dual one for the node's P copies of z_i
+            if self.topo.is_leader:   # node-level terms: once per node, the dual one for the node's P copies
                 local_sq[k, 1] = admm.dual_residual_sq(admm.sq_norm(z_i_new[k] - e.z_i), e.rho1, P)
                 local_sq[k, 2] = admm.sq_norm(z_i_new[k] - z_new[k])
             s_inter_sq[k] = admm.dual_residual_sq(admm.sq_norm(z_new[k] - e.z), e.rho2, M)   # M copies of z
-        who = torch.zeros(topo.size, 3, dtype=torch.float64)   # one row per rank: summing fills every row
-        who[topo.rank] = torch.tensor([self.round + 1, -1 if steps is None else steps, float(any(nonfinite))])
+        size = self.topo.size
+        who = torch.zeros(size, 3, dtype=torch.float64)   # one row per rank: summing fills every row
+        who[self.topo.rank] = torch.tensor([self.round + 1, -1 if steps is None else steps, float(any(nonfinite))])
         where = torch.tensor(nonfinite, dtype=torch.float64)    # per entry, then the float buffers
         summed = self._sum_over_job(torch.cat([local_sq.reshape(-1), who.reshape(-1).to(self.device),
                                                where.to(self.device)]))
         s_inter_sq = s_inter_sq.tolist()   # from the global z: the same on every rank, read once
         totals = summed[:3 * n].view(n, 3)
-        try:
-            self._check_round(summed[3 * n: 3 * n + 3 * topo.size].view(-1, 3), summed[3 * n + 3 * topo.size:],
-                              totals, s_inter_sq)
-        except BaseException:
-            self._restore_mask_state(masks_before)
-            raise
+        self._check_round(summed[3 * n: 3 * n + 3 * size].view(-1, 3), summed[3 * n + 3 * size:], totals,
+                          s_inter_sq)
+        return totals, s_inter_sq
+
+    def _update_duals(self, z_i_new, z_new, layout: BucketLayout) -> None:
+        """Phase 7: v_i += z_i − z, u += θ − z_i; the new z_i and z; the float buffers averaged in the round
+        (kept too: with z they are the consensus model)."""
         for k, e in enumerate(self.entries):
             admm.update_dual(e.v, z_i_new[k], z_new[k])
             admm.update_dual(e.u, e.param.detach(), z_i_new[k])
             e.z_i, e.z = z_i_new[k], z_new[k]
+        n = len(self.entries)
         for j, (_, b) in enumerate(self.buffers):
             b.copy_(layout.views[n + j].view_as(b))
             self._round_buffers[j].copy_(b)
 
+    def _adapt_rho(self, totals: torch.Tensor, s_inter_sq: List[float]) -> None:
+        """Phase 8: per-layer residuals; residual balancing of ρ1 (and of ρ2 where there is an inter-node tier),
+        the scaled duals rescaled with them."""
         for k, e in enumerate(self.entries):
             r_intra, s_intra, r_inter, s_inter = admm.residual_norms(*totals[k].tolist(), s_inter_sq[k])
             e.residuals = {"r_intra": r_intra, "s_intra": s_intra}
@@ -312,13 +348,13 @@ class HSADMM:
                 e.rho1, e.rho2 = rho1, rho2
         self._refresh_prox()
 
-        self.round += 1
+    def _maybe_freeze(self) -> None:
+        """Phase 9: freeze after ``freeze_round`` rounds or ``freeze_patience`` rounds without a mask change."""
         if not self.frozen:
             self.stable_rounds = self.stable_rounds + 1 if self.mask_drift == 0 else 0
             if (self.freeze_round is not None and self.round >= self.freeze_round) or \
                     self.stable_rounds >= self.freeze_patience:
                 self._freeze()
-        return self._report(before, time.perf_counter() - t0, layout.total_numel)
 
     def _freeze(self) -> None:
         """Masks stop moving. The OR of the nodes' masks may keep more than was asked, so the frozen structure
@@ -397,11 +433,8 @@ class HSADMM:
             self.mask_drift = 0.0
             return
         flat = torch.cat([torch.cat([r, c]) for r, c in local]).to(torch.uint8)
-        with self.ledger.tagged("masks"):
-            if self.topo.num_nodes > 1:   # one node: every rank projected the same z_i already
-                if self.topo.is_leader:
-                    self.groups.inter.bor_(flat)
-                self.groups.intra.broadcast_(flat, root=0)
+        with self.ledger.tagged("masks"):   # one node: every rank projected the same z_i already
+            self.groups.leaders_then_node_(flat, "bor", self.topo.num_nodes)
         flat = flat.bool()
         changed = kept_total = 0
         offset = 0
@@ -445,10 +478,7 @@ class HSADMM:
         local = local.to(self.device)
         with self.ledger.tagged("residuals"):
             self.groups.intra.allreduce_(local, "sum")
-            if self.inter_tier:   # one node: the node's sum is the job's
-                if self.topo.is_leader:
-                    self.groups.inter.allreduce_(local, "sum")
-                self.groups.intra.broadcast_(local, root=0)
+            self.groups.leaders_then_node_(local, "sum", self.topo.num_nodes)
         return local.cpu()
 
     def _report(self, before, seconds, compact_numel: int) -> dict:

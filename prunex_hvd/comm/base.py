@@ -223,6 +223,25 @@ class Groups:
     inter: Optional[Communicator]
     backend: str
 
+    def leaders_then_node_(self, tensor: torch.Tensor, op: str, num_nodes: int) -> torch.Tensor:
+        """The hierarchy's one pattern, in place: the leaders combine ``tensor`` across the ``num_nodes`` nodes
+        (``op``: ``"sum"``, ``"avg"`` or ``"max"`` allreduce, ``"bor"``, or ``"broadcast"`` from node 0's
+        leader), then each leader broadcasts the result within its node, so non-leaders never cross nodes.
+        With one node a reduction moves nothing (the node's ranks already hold the node's value); a broadcast
+        still reaches the node. Collective: every rank of the job calls it. Returns ``tensor``."""
+        if num_nodes > 1:
+            if self.inter is not None:   # a leader
+                if op == "broadcast":
+                    self.inter.broadcast_(tensor, root=0)
+                elif op == "bor":
+                    self.inter.bor_(tensor)
+                else:
+                    self.inter.allreduce_(tensor, op)
+            self.intra.broadcast_(tensor, root=0)
+        elif op == "broadcast":
+            self.intra.broadcast_(tensor, root=0)
+        return tensor
+
 
 def staged_on_cpu(fn):
     """Run a CPU-only transport on a tensor that may live on a GPU: copy there and back."""
