@@ -38,6 +38,15 @@ def agreed(control):
     control.agree(error, ValueError)
 
 
+def call_agreed(control, fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on every rank under :func:`agreed`: a ``ValueError`` on any rank is raised on
+    all of them. Returns ``fn``'s result."""
+    result = None
+    with agreed(control):
+        result = fn(*args, **kwargs)
+    return result
+
+
 def check_same_on_every_rank(control, fields: Dict[str, Any], what: str = "the wrapped optimizer") -> None:
     """Every value in ``fields`` must be equal on all ranks (compared by digest). ``fields["model"]``, when
     present, is a :func:`model_signature`; on a mismatch its first differing entry is named."""

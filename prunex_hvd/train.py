@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import checkpoint, methods, models, runtime
+from .agreement import call_agreed
 from .data import ShardedLoader, load_dataset
 
 
@@ -149,17 +150,6 @@ def _pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _agreed(control, fn, *args, **kwargs):
-    """Run ``fn`` on every rank; if it raises ValueError anywhere, raise it everywhere."""
-    result, error = None, None
-    try:
-        result = fn(*args, **kwargs)
-    except ValueError as exc:
-        error = str(exc)
-    control.agree(error, ValueError)
-    return result
-
-
 def evaluate(model: torch.nn.Module, loader: ShardedLoader, control) -> Dict[str, float]:
     """Accuracy and loss over the whole test set: each rank scores its shard, the control plane sums."""
     was_training = model.training
@@ -221,18 +211,18 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     _, control = runtime.state()
     threads = _set_threads(cfg.threads, control)
     rank, is_main = topo.rank, topo.rank == 0
-    device = _agreed(control, _pick_device, cfg.device, topo.local_rank)
+    device = call_agreed(control, _pick_device, cfg.device, topo.local_rank)
     if not cfg.resume:   # refuse before any data, model or collective set-up is paid for
         exists = os.path.exists(os.path.join(cfg.out, "metrics.jsonl")) if is_main else None
         control.agree(f"{cfg.out} already holds a run: pass --resume to continue it, or choose another --out"
                       if control.broadcast_object(exists, root=0) else None, ValueError)
 
-    data = _agreed(control, load_dataset, cfg.dataset, data_dir=cfg.data_dir,
+    data = call_agreed(control, load_dataset, cfg.dataset, data_dir=cfg.data_dir,
                    image_size=cfg.image_size or models.default_image_size(cfg.model), seed=cfg.seed)
     torch.manual_seed(cfg.seed)
-    model = _agreed(control, models.build, cfg.model, num_classes=data.num_classes, in_channels=data.in_channels)
+    model = call_agreed(control, models.build, cfg.model, num_classes=data.num_classes, in_channels=data.in_channels)
     model.to(device)
-    train_loader = _agreed(control, ShardedLoader, data, cfg.batch_size, rank, topo.size, seed=cfg.seed, train=True,
+    train_loader = call_agreed(control, ShardedLoader, data, cfg.batch_size, rank, topo.size, seed=cfg.seed, train=True,
                            device=device)
     test_loader = ShardedLoader(data, cfg.test_batch_size, rank, topo.size, seed=cfg.seed, train=False, device=device)
     steps_per_epoch = len(train_loader)
@@ -244,7 +234,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     base = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                            nesterov=cfg.nesterov)
     train_loader.set_epoch(0)
-    opt = _agreed(control, methods.wrap, cfg.method, base, model, cfg, local_steps,
+    opt = call_agreed(control, methods.wrap, cfg.method, base, model, cfg, local_steps,
                   sample_batch=lambda: next(iter(train_loader.batches())))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(cfg, steps_per_epoch))
 
