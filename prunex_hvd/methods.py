@@ -9,14 +9,43 @@ so the same loop, sampler, metrics and byte counters serve every method:
   PruneX the global consensus z, i.e. the pruned model so far);
 * ``finalize()``: leave the final model in place, identical on every rank;
 * ``state_dict()`` / ``load_state_dict()`` including the method's own state.
+
+:class:`Method` spells that contract as a ``typing.Protocol``; :func:`wrap` checks every method against it.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, ContextManager, Dict, Optional, Protocol, runtime_checkable
 
 import torch
 
 STATS_KEYS = ("rounds", "steps", "inter_bytes", "intra_bytes", "dense_inter_bytes", "density")
+
+
+@runtime_checkable
+class Method(Protocol):
+    """What the trainer needs of a wrapped optimizer, besides the optimizer's own ``step`` and ``zero_grad``."""
+
+    records_per_epoch: bool   # talks every step: log once an epoch, not every round
+
+    def stats(self) -> dict:
+        """At least :data:`STATS_KEYS`."""
+
+    def rounds_done(self) -> int:
+        """Communication rounds so far (steps for methods that talk every step); cheap."""
+
+    def consensus(self) -> Optional[dict]:
+        """Bring the steps since the last round into the model to finalize (a round now); None where every
+        step already communicates."""
+
+    def consensus_weights(self) -> ContextManager:
+        """A context in which the model holds the weights to evaluate, the same on every rank."""
+
+    def finalize(self) -> None:
+        """Leave the final model in place, identical on every rank."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
 
 
 def _prunex(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, local_steps: int, sample_batch,
@@ -62,4 +91,9 @@ def wrap(name: str, optimizer: torch.optim.Optimizer, model: torch.nn.Module, cf
     ``sample_batch()`` gives one training batch (x, y), for methods that score weights on data (GraSP)."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    return METHODS[name](optimizer, model, cfg, local_steps, sample_batch)
+    opt = METHODS[name](optimizer, model, cfg, local_steps, sample_batch)
+    if not isinstance(opt, Method):   # the same on every rank: a programming error, not a user's
+        missing = [a for a in ("records_per_epoch", "stats", "rounds_done", "consensus", "consensus_weights",
+                               "finalize", "state_dict", "load_state_dict") if not hasattr(opt, a)]
+        raise TypeError(f"method {name!r} does not offer what the trainer needs: {missing}")
+    return opt

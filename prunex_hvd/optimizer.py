@@ -70,6 +70,8 @@ COUPLING_MODES = (False, True, "pairs", "streams")
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the user's optimizer class (as Horovod does), so schedulers and isinstance checks work."""
 
+    records_per_epoch = False   # talks once a round: the trainer logs every round
+
     def __init__(self, params, model, specs, couplings, streams, local_steps, rho1, rho2, rho_max, adaptive_rho,
                  weight_decay_z, freeze_round, freeze_patience, bucket_mb, backend, masked_retrain, hierarchical):
         super(self.__class__, self).__init__(params)

@@ -293,7 +293,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     last = {"test_acc": None, "inter_bytes": 0, "density": opt.stats().get("density", 1.0)}
     t_start, wall = time.perf_counter(), wall_offset
     rounds_seen = rounds_at_start = opt.rounds_done()
-    per_epoch = getattr(opt, "records_per_epoch", False)  # methods that talk every step log once an epoch
+    per_epoch = opt.records_per_epoch   # methods that talk every step log once an epoch
     stopped = None
     while step < total_steps and stopped is None:
         epoch, start_batch = divmod(step, steps_per_epoch)
@@ -309,8 +309,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
             running["loss"] += loss.detach() * len(y)
             running["correct"] += (out.argmax(1) == y).sum()
             running["count"] += len(y)
-            if step == total_steps and not per_epoch and hasattr(opt, "consensus") \
-                    and opt.rounds_done() == rounds_seen and step % local_steps:
+            if step == total_steps and not per_epoch and opt.rounds_done() == rounds_seen and step % local_steps:
                 opt.consensus()   # the last local steps join the consensus the final model is made of
             if (per_epoch and step % steps_per_epoch == 0) or (not per_epoch and opt.rounds_done() != rounds_seen) \
                     or step == total_steps:

@@ -84,6 +84,10 @@ class MethodOptimizer(torch.optim.Optimizer):
 
     records_per_epoch = True   # talks every step: the trainer logs once an epoch
 
+    def consensus(self) -> None:
+        """Nothing to do: every step already communicated (the :class:`prunex_hvd.methods.Method` contract)."""
+        return None
+
     def _method_setup(self, model: torch.nn.Module, world, ledger=None) -> None:
         self._model, self._world = model, world
         self._traffic = Traffic(ledger or world.ledger)

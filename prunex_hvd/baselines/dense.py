@@ -78,7 +78,7 @@ def _account_horovod(opt, model, world) -> None:
     for name, fn in (("synchronize", accounted_synchronize), ("state_dict", state_dict),
                      ("load_state_dict", load_state_dict)):
         setattr(opt, name, types.MethodType(fn, opt))
-    for name in ("stats", "rounds_done", "density", "layer_density", "_extra_stats", "consensus_weights",
+    for name in ("stats", "rounds_done", "density", "layer_density", "_extra_stats", "consensus", "consensus_weights",
                  "finalize", "_with_method_state", "_split_method_state", "_restore_method_state",
                  "_method_state", "_load_method_state"):
         setattr(opt, name, types.MethodType(getattr(MethodOptimizer, name), opt))
