@@ -5,10 +5,16 @@ topology. Structured pruning that shrinks what crosses the inter-node links.
     topo = px.init()          # rank, node, leader; groups over mpi / gloo / nccl / horovod
     opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), model, sparsity="channel:0.5")
 """
+import logging
+
 from . import comm, sparsity
 from .optimizer import DistributedOptimizer
 from .runtime import init, is_initialized, shutdown, topology
 from .topology import Topology, TopologyError
+
+# what a user wants in a log (freezing, ρ changes, refused rounds), on rank 0; silent unless the application
+# configures logging (the prunex-hvd command does)
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 __all__ = ["DistributedOptimizer", "Topology", "TopologyError", "comm", "init", "is_initialized", "shutdown",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 
@@ -281,12 +282,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    _show_the_library_log()
     try:
         return args.func(args)
     except (ValueError, RuntimeError, FloatingPointError) as exc:   # the same message on every rank
         print(f"prunex-hvd: error: {exc}", file=sys.stderr, flush=True)
         _let_the_others_say_it()
         return 2
+
+
+def _show_the_library_log() -> None:
+    """The library logs what a user wants to see (freezing, ρ changes, refused rounds) on rank 0 and stays
+    silent unless asked; the command asks, once per process."""
+    logger = logging.getLogger("prunex_hvd")
+    if not any(isinstance(h, _Stderr) for h in logger.handlers):
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("prunex-hvd: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler writing to whatever ``sys.stderr`` is when a record comes (tests and tools replace it)."""
+
+    def __init__(self):
+        super().__init__()
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
 
 
 def _let_the_others_say_it() -> None:

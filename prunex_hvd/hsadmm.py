@@ -28,6 +28,7 @@ float buffers averaged in that round, the same on every rank whatever steps were
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from contextlib import contextmanager
@@ -39,6 +40,8 @@ import torch
 from . import admm, sparsity, watchdog
 from .buckets import BucketLayout
 from .comm.accounting import ledger as default_ledger, ring_cross_node_bytes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -203,7 +206,12 @@ class HSADMM:
             raise RuntimeError("consensus round after finalize(): finalize() ends training (the model now holds "
                                "the consensus z); to evaluate the consensus mid-run use consensus_weights()")
         with watchdog.waiting(f"consensus round {self.round + 1}", world=True):
-            return self._round(steps)
+            try:
+                return self._round(steps)
+            except (RuntimeError, FloatingPointError) as exc:   # refused by the verdict, on every rank alike
+                if self.topo.rank == 0:
+                    log.error("round %d refused: %s", self.round + 1, exc)
+                raise
 
     def _round(self, steps: Optional[int]) -> dict:
         """Algorithm 1 as its phases (numbered as in the module docstring and docs/algorithm.md)."""
@@ -335,6 +343,7 @@ class HSADMM:
     def _adapt_rho(self, totals: torch.Tensor, s_inter_sq: List[float]) -> None:
         """Phase 8: per-layer residuals; residual balancing of ρ1 (and of ρ2 where there is an inter-node tier),
         the scaled duals rescaled with them."""
+        changed = []
         for k, e in enumerate(self.entries):
             r_intra, s_intra, r_inter, s_inter = admm.residual_norms(*totals[k].tolist(), s_inter_sq[k])
             e.residuals = {"r_intra": r_intra, "s_intra": s_intra}
@@ -345,7 +354,12 @@ class HSADMM:
                 rho2 = admm.adapt_rho(e.rho2, r_inter, s_inter, self.rho_max) if self.inter_tier else e.rho2
                 admm.rescale_dual(e.u, e.rho1, rho1)
                 admm.rescale_dual(e.v, e.rho2, rho2)
+                changed += [f"{e.name} {which} {old:.3g}->{new:.3g}" for which, old, new in
+                            (("rho1", e.rho1, rho1), ("rho2", e.rho2, rho2)) if new != old]
                 e.rho1, e.rho2 = rho1, rho2
+        if changed and self.topo.rank == 0:
+            shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
+            log.info("round %d: rho changed %d time(s): %s", self.round + 1, len(changed), shown)
         self._refresh_prox()
 
     def _maybe_freeze(self) -> None:
@@ -365,6 +379,8 @@ class HSADMM:
             e.z = sparsity.apply_masks(e.z, e.rows, e.cols)
         self._compact = self._support = None
         self.frozen = True
+        if self.topo.rank == 0:
+            log.info("round %d: masks frozen, density %.3f of the structured weights", self.round, self.density())
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _nonfinite(self) -> List[bool]:

@@ -49,7 +49,9 @@ def test_cifar10_from_the_pickle_layout(tmp_path, capsys):
     assert (summary["world_size"], summary["inter_bytes"]) == (1, 0)   # one process sends nothing across nodes
     blob = torch.load(out / "final_model.pt")
     assert (blob["in_channels"], blob["image_size"], blob["num_classes"]) == (3, 16, 10)
-    assert "final test accuracy" in capsys.readouterr().out
+    shown = capsys.readouterr()
+    assert "final test accuracy" in shown.out
+    assert "prunex-hvd: round 1: masks frozen" in shown.err   # the library's log, shown by the command
 
 
 @pytest.mark.parametrize("args,message", [

@@ -1,0 +1,64 @@
+"""What the library logs on rank 0 (freezing, ρ changes, refused rounds), and that it stays silent unless the
+application configures logging."""
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import prunex_hvd as px
+
+pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
+
+
+def make():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 6, 3),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4))
+    opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, sparsity="channel:0.5",
+                                  local_steps=2, rho1=0.05, rho2=0.01, freeze_round=2)
+    return model, opt
+
+
+def train(model, opt, steps):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def test_freezing_rho_changes_and_refused_rounds_are_logged(caplog):
+    model, opt = make()
+    with caplog.at_level(logging.INFO, logger="prunex_hvd"):
+        train(model, opt, 4)
+        with torch.no_grad():
+            model[0].weight[0, 0, 0, 0] = float("nan")
+        with pytest.raises(FloatingPointError):
+            opt.consensus()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith("prunex_hvd")]
+    # the stem keeps 2 of 3 input channels, the other conv 4 of 8: (2·8·9 + 6·4·9) / (8·3·9 + 6·8·9)
+    assert (logging.INFO, "round 2: masks frozen, density 0.556 of the structured weights") in said
+    assert any(level == logging.INFO and msg.startswith("round 1: rho changed") and "rho1" in msg
+               for level, msg in said), said
+    assert any(level == logging.ERROR and msg.startswith("round 3 refused: consensus round 3: inf or NaN in 0.weight")
+               for level, msg in said), said
+
+
+def test_silent_without_logging_configured():
+    """A refused round logs an error; with no handler configured by the application nothing reaches stderr
+    (the package's NullHandler keeps Python's last-resort handler quiet): the exception says it all."""
+    script = (
+        "import torch, torch.nn as nn, prunex_hvd as px\n"
+        "m = nn.Sequential(nn.Conv2d(3, 4, 3))\n"
+        "o = px.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, local_steps=1, freeze_round=1)\n"
+        "m(torch.randn(2, 3, 5, 5)).sum().backward(); o.step()\n"
+        "with torch.no_grad(): m[0].weight[0, 0, 0, 0] = float('nan')\n"
+        "try:\n    o.consensus()\nexcept FloatingPointError:\n    print('refused')\n")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("OMPI_", "PMIX_", "HOROVOD_"))}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "refused", proc.stdout + proc.stderr
+    assert "refused" not in proc.stderr and "frozen" not in proc.stderr, proc.stderr
