@@ -24,3 +24,10 @@ def full_run(tmp_path_factory):
     proc = train(out)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return out, proc.stdout
+
+
+@pytest.fixture(scope="session")
+def digits():
+    """The digits dataset at its default 16×16 (loaded once; tests read it, none modifies it)."""
+    from prunex_hvd.data import load_dataset
+    return load_dataset("digits")

@@ -9,10 +9,7 @@ import torch
 from prunex_hvd.data import DATASETS, ImageData, ShardedLoader, load_dataset
 
 
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
+# (the digits fixture is in conftest.py)
 
 # ------------------------------------------------------------------------------------------------ digits
 

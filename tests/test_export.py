@@ -10,15 +10,15 @@ import torch
 from torch import nn
 
 from prunex_hvd import cli, export, models, sparsity
-from prunex_hvd.data import ShardedLoader, load_dataset
+from prunex_hvd.data import ShardedLoader
 from prunex_hvd.dependencies import channel_couplings, channel_streams
 from prunex_hvd.models.resnet import Bottleneck, ResNet
 
 
 @pytest.fixture(scope="module")
-def digits():
-    data = load_dataset("digits", image_size=16)
-    return list(ShardedLoader(data, 120, 0, 1, train=False).batches())
+def digit_batches(digits):
+    """The digits test set (conftest.py) in normalised batches of 120."""
+    return list(ShardedLoader(digits, 120, 0, 1, train=False).batches())
 
 
 def pruned(model, spec, coupled=False, only=None):
@@ -47,17 +47,17 @@ def read_channels(weights):
     return int(live.sum())
 
 
-def assert_same_function(masked, small, digits):
-    same = export.compare(masked, small, digits)
+def assert_same_function(masked, small, digit_batches):
+    same = export.compare(masked, small, digit_batches)
     assert same["samples"] == 360 and same["same_prediction"] == 1.0
     assert same["max_abs_diff"] <= 1e-5 * max(1.0, same["max_abs_output"]), same
 
 
-def test_resnet_small_channel_pruning_removes_what_no_layer_reads(digits):
+def test_resnet_small_channel_pruning_removes_what_no_layer_reads(digit_batches):
     masked = pruned(build("resnet_small"), "channel:0.5")
     w = {n: p.detach().clone() for n, p in masked.named_parameters()}
-    small, report = export.slim(masked, digits[0][0][:2], calibration=digits[0][0][:32])
-    assert_same_function(masked, small, digits)
+    small, report = export.slim(masked, digit_batches[0][0][:2], calibration=digit_batches[0][0][:32])
+    assert_same_function(masked, small, digit_batches)
     # the widths follow from the masked weights alone: a feature map keeps the channels some reader reads
     for stage, width in (("layer1", 16), ("layer2", 32), ("layer3", 64)):
         inner = read_channels([w[f"{stage}.0.conv2.weight"]])
@@ -77,10 +77,10 @@ def test_resnet_small_channel_pruning_removes_what_no_layer_reads(digits):
 
 
 @pytest.mark.parametrize("coupled", [False, True], ids=["per-layer", "coupled"])
-def test_resnet18_channel_pruning(digits, coupled):
+def test_resnet18_channel_pruning(digit_batches, coupled):
     masked = pruned(build("resnet18", seed=1), "channel:0.5", coupled=coupled)
-    small, report = export.slim(masked, digits[0][0][:2], calibration=digits[0][0][:32])
-    assert_same_function(masked, small, digits)
+    small, report = export.slim(masked, digit_batches[0][0][:2], calibration=digit_batches[0][0][:32])
+    assert_same_function(masked, small, digit_batches)
     blocks = [f"layer{s}.{b}" for s in range(1, 5) for b in range(2)]
     for block in blocks:
         conv2 = masked.get_submodule(f"{block}.conv2")
@@ -98,13 +98,13 @@ def test_resnet18_channel_pruning(digits, coupled):
 
 
 @pytest.mark.parametrize("name", ["resnet_small", "resnet18"])
-def test_stream_coupled_masks_are_removed_whole(digits, name):
+def test_stream_coupled_masks_are_removed_whole(digit_batches, name):
     """coupled="streams": every zero the masks put into a coupled group goes. What stays are the zero input
     channels of convs reading a stream the linear head also reads (ResNet-18's layer4.1.conv1): that stream is
     not coupled and no mask could free it. No channel is left as a BatchNorm constant."""
     masked = pruned(build(name, seed=1), "channel:0.5", coupled="streams")
-    small, report = export.slim(masked, digits[0][0][:2], calibration=digits[0][0][:32])
-    assert_same_function(masked, small, digits)
+    small, report = export.slim(masked, digit_batches[0][0][:2], calibration=digit_batches[0][0][:32])
+    assert_same_function(masked, small, digit_batches)
     assert report["kept_constant"] == report["folded"] == report["zero_constant"] == 0
     grouped = {n for s in channel_streams(masked) for n in s.readers} | set(channel_couplings(masked))
     ungrouped = {n: p for n, p in masked.named_parameters() if p.dim() == 4 and n not in grouped}
@@ -116,11 +116,11 @@ def test_stream_coupled_masks_are_removed_whole(digits, name):
     assert s["params"] - s["params_nonzero"] == left and (left > 0) == (name == "resnet18")
     if name == "resnet18":   # vs ~0.49 with per-layer or pair-coupled masks (test_resnet18_channel_pruning)
         assert s["params"] < 0.42 * m["params"]
-        x = digits[0][0][:1]
+        x = digit_batches[0][0][:1]
         assert export.count_flops(small, x) < 0.32 * export.count_flops(masked, x)
 
 
-def test_dead_filters_fold_into_the_next_bias_or_stay(digits):
+def test_dead_filters_fold_into_the_next_bias_or_stay(digit_batches):
     """filter pruning on a bottleneck's 3x3 conv: each dead filter leaves relu(BN shift), a constant, for the
     1x1 conv3. Positive constants fold into conv3's bias, zero ones just go; without the fold the outputs
     would change."""
@@ -128,8 +128,8 @@ def test_dead_filters_fold_into_the_next_bias_or_stay(digits):
     net = models.trained_like_batchnorm(
         ResNet(Bottleneck, (1, 1, 1), (8, 16, 32), (1, 2, 2), stem_channels=16, in_channels=1), 2)
     masked = pruned(net, "filter:0.5", only=lambda n: n.endswith("conv2.weight"))
-    small, report = export.slim(masked, digits[0][0][:2], calibration=digits[0][0][:32])
-    assert_same_function(masked, small, digits)
+    small, report = export.slim(masked, digit_batches[0][0][:2], calibration=digit_batches[0][0][:32])
+    assert_same_function(masked, small, digit_batches)
     assert report["folded"] > 0 and report["zero_constant"] > 0 and report["unread"] == 0
     assert report["removed"] == report["folded"] + report["zero_constant"] == sum(
         masked.get_submodule(f"layer{s}.0.conv2").out_channels // 2 for s in (1, 2, 3))
@@ -138,23 +138,23 @@ def test_dead_filters_fold_into_the_next_bias_or_stay(digits):
     with torch.no_grad():
         for m in folded:
             m.bias.zero_()
-    assert export.compare(masked, small, digits[:1])["max_abs_diff"] > 1e-3
+    assert export.compare(masked, small, digit_batches[:1])["max_abs_diff"] > 1e-3
 
 
-def test_constant_channels_read_by_a_padded_conv_are_kept(digits):
+def test_constant_channels_read_by_a_padded_conv_are_kept(digit_batches):
     """filter pruning on a BasicBlock's conv1: the constant reaches conv2, a padded 3x3 that sees zeros at the
     border instead: folding would be wrong there, so positive constants stay and only zero ones go."""
     masked = pruned(build("resnet_small", seed=3), "filter:0.5", only=lambda n: n.endswith("0.conv1.weight"))
-    small, report = export.slim(masked, digits[0][0][:2], calibration=digits[0][0][:32])
-    assert_same_function(masked, small, digits)
+    small, report = export.slim(masked, digit_batches[0][0][:2], calibration=digit_batches[0][0][:32])
+    assert_same_function(masked, small, digit_batches)
     assert report["kept_constant"] > 0 and report["zero_constant"] > 0 and report["folded"] == 0
     assert report["kept_constant"] + report["zero_constant"] == 8 + 16 + 32
 
 
 @pytest.mark.parametrize("name", ["resnet_small", "resnet18"])
-def test_save_and_load(tmp_path, digits, name):
+def test_save_and_load(tmp_path, digit_batches, name):
     masked = pruned(build(name, seed=4), "channel:0.5")
-    x = digits[0][0][:32]
+    x = digit_batches[0][0][:32]
     small, _ = export.slim(masked, x[:2], calibration=x)
     with torch.inference_mode():
         want = small(x)
@@ -187,7 +187,7 @@ def test_save_and_load(tmp_path, digits, name):
 
 
 @pytest.mark.parametrize("how", ["dense", "unstructured"])
-def test_a_model_without_structured_sparsity_is_refused(how, digits):
+def test_a_model_without_structured_sparsity_is_refused(how, digit_batches):
     model = build("resnet_small").eval()
     if how == "unstructured":   # half the weights zero, but never a whole filter or channel
         with torch.no_grad():
@@ -197,7 +197,7 @@ def test_a_model_without_structured_sparsity_is_refused(how, digits):
                     p.mul_((o + i + h + w) % 2)
         assert export.count_params(model)["params_nonzero"] < 0.6 * export.count_params(model)["params"]
     with pytest.raises(ValueError, match="not trained with structured sparsity"):
-        export.slim(model, digits[0][0][:2])
+        export.slim(model, digit_batches[0][0][:2])
 
 
 def flops_by_hand(model, x):

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import prunex_hvd as px
 from launching import mpirun, needs_mpirun, python_cmd, run, worker_results
+from models_for_tests import toy_cnn
 from prunex_hvd.baselines import pactrain
 from prunex_hvd.baselines.pactrain import (MaskTracker, grasp_masks, grasp_scores, magnitude_masks, step_seed,
                                            ternarize)
@@ -126,14 +127,8 @@ def test_mask_tracker_is_stable_after_exactly_patience_unchanged_steps_and_reset
 # (the single_process fixture is in conftest.py)
 
 
-def make_model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                         nn.Conv2d(8, 6, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4))
-
-
 def make(seed=0, lr=0.05, **kw):
-    model = make_model(seed)
+    model = toy_cnn(seed)
     opt = pactrain.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=1e-3),
                                         model, **kw)
     return model, opt
@@ -199,7 +194,7 @@ def test_density_is_the_product_of_the_specs_keep_ratios(single_process, spec, w
     assert opt.layer_density() == pytest.approx(want)
     numel = {n: p.numel() for n, p in model.named_parameters()}
     assert opt.density() == pytest.approx(sum(want[n] * numel[n] for n in want) / sum(numel[n] for n in want))
-    fresh = dict(make_model().named_parameters())
+    fresh = dict(toy_cnn().named_parameters())
     for name, p in model.named_parameters():
         if name in want:
             assert int(torch.count_nonzero(p.detach())) == round(want[name] * numel[name]), name
@@ -209,7 +204,7 @@ def test_density_is_the_product_of_the_specs_keep_ratios(single_process, spec, w
 
 def test_grasp_masks_from_the_single_rank_scores(single_process):
     x, y = task(n=16, seed=3)
-    ref_model = make_model()
+    ref_model = toy_cnn()
     ref = grasp_masks(grasp_scores(ref_model, nn.functional.cross_entropy, x, y, ["0.weight", "3.weight"]),
                       {"0.weight": 0.5, "3.weight": 0.5})
     model, opt = make(score="grasp", grasp_batch=(x, y))
@@ -223,7 +218,7 @@ def test_grasp_masks_from_the_single_rank_scores(single_process):
 def test_methods_registry_builds_pactrain(single_process):
     from prunex_hvd import methods
     from prunex_hvd.train import TrainConfig
-    model = make_model()
+    model = toy_cnn()
     cfg = TrainConfig(sparsity="channel:0.5", pactrain_score="grasp", pactrain_patience=1, terngrad=True, seed=4)
     opt = methods.wrap("pactrain", torch.optim.SGD(model.parameters(), lr=0.05), model, cfg, 1,
                        sample_batch=lambda: task(n=8))
@@ -280,7 +275,7 @@ def test_bad_arguments_are_clear_value_errors(single_process, kw, message):
 
 
 def test_optimizer_must_hold_only_the_models_parameters(single_process):
-    model = make_model()
+    model = toy_cnn()
     stray = nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="not the model's"):
         pactrain.DistributedOptimizer(torch.optim.SGD(list(model.parameters()) + [stray], lr=0.1), model)

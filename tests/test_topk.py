@@ -13,6 +13,7 @@ import torch.nn as nn
 from prunex_hvd.baselines import topk
 
 from launching import mpirun, needs_mpirun, python_cmd, run, worker_results
+from models_for_tests import toy_cnn
 
 
 # -- the compression ---------------------------------------------------------------------------------------
@@ -67,9 +68,7 @@ def test_compress_edges_and_errors():
 
 
 def make(seed=0, **kw):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                          nn.Conv2d(8, 6, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4))
+    model = toy_cnn(seed)
     args = dict(ratio=0.2)
     args.update(kw)
     opt = topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, **args)
