@@ -9,14 +9,13 @@ import torch
 import torch.nn as nn
 
 import prunex_hvd as px
+from models_for_tests import toy_cnn
 
 pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
 
 
 def make():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 6, 3),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4))
+    model = toy_cnn()
     opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, sparsity="channel:0.5",
                                   local_steps=2, rho1=0.05, rho2=0.01, freeze_round=2)
     return model, opt

@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from models_for_tests import toy_cnn
 from prunex_hvd import methods
 from prunex_hvd.train import TrainConfig
 
@@ -11,9 +12,7 @@ pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
 
 @pytest.mark.parametrize("name", list(methods.METHODS))
 def test_every_method_satisfies_the_contract(name):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 6, 3),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4))
+    model = toy_cnn()
     opt = methods.wrap(name, torch.optim.SGD(model.parameters(), lr=0.05), model, TrainConfig(freeze_round=None), 2)
     assert isinstance(opt, methods.Method)
     assert opt.records_per_epoch == (name not in ("prunex", "prunex-flat"))
