@@ -209,8 +209,9 @@ class HSADMM:
             try:
                 return self._round(steps)
             except (RuntimeError, FloatingPointError) as exc:   # refused by the verdict, on every rank alike
-                if self.topo.rank == 0:
-                    log.error("round %d refused: %s", self.round + 1, exc)
+                if self.topo.rank == 0:   # the raised error says why; the log marks where in the run
+                    log.error("round %d refused (%s): every rank keeps the state of round %d",
+                              self.round + 1, type(exc).__name__, self.round)
                 raise
 
     def _round(self, steps: Optional[int]) -> dict:
