@@ -305,9 +305,6 @@ def _show_the_library_log() -> None:
 class _Stderr(logging.StreamHandler):
     """A handler writing to whatever ``sys.stderr`` is when a record comes (tests and tools replace it)."""
 
-    def __init__(self):
-        super().__init__()
-
     @property
     def stream(self):
         return sys.stderr

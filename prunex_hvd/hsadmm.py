@@ -206,13 +206,7 @@ class HSADMM:
             raise RuntimeError("consensus round after finalize(): finalize() ends training (the model now holds "
                                "the consensus z); to evaluate the consensus mid-run use consensus_weights()")
         with watchdog.waiting(f"consensus round {self.round + 1}", world=True):
-            try:
-                return self._round(steps)
-            except (RuntimeError, FloatingPointError) as exc:   # refused by the verdict, on every rank alike
-                if self.topo.rank == 0:   # the raised error says why; the log marks where in the run
-                    log.error("round %d refused (%s): every rank keeps the state of round %d",
-                              self.round + 1, type(exc).__name__, self.round)
-                raise
+            return self._round(steps)
 
     def _round(self, steps: Optional[int]) -> dict:
         """Algorithm 1 as its phases (numbered as in the module docstring and docs/algorithm.md)."""
@@ -325,8 +319,14 @@ class HSADMM:
                                                where.to(self.device)]))
         s_inter_sq = s_inter_sq.tolist()   # from the global z: the same on every rank, read once
         totals = summed[:3 * n].view(n, 3)
-        self._check_round(summed[3 * n: 3 * n + 3 * size].view(-1, 3), summed[3 * n + 3 * size:], totals,
-                          s_inter_sq)
+        try:
+            self._check_round(summed[3 * n: 3 * n + 3 * size].view(-1, 3), summed[3 * n + 3 * size:], totals,
+                              s_inter_sq)
+        except (RuntimeError, FloatingPointError) as exc:   # refused, on every rank alike
+            if self.topo.rank == 0:   # the raised error says why; the log marks where in the run
+                log.error("round %d refused (%s): every rank keeps the state of round %d",
+                          self.round + 1, type(exc).__name__, self.round)
+            raise
         return totals, s_inter_sq
 
     def _update_duals(self, z_i_new, z_new, layout: BucketLayout) -> None:

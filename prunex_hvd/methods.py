@@ -48,6 +48,11 @@ class Method(Protocol):
     def load_state_dict(self, state_dict: dict) -> None: ...
 
 
+# the contract's member names, for saying which ones a method lacks
+_MEMBERS = tuple(Method.__annotations__) + tuple(n for n, v in vars(Method).items()
+                                                 if callable(v) and not n.startswith("_"))
+
+
 def _prunex(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, local_steps: int, sample_batch,
             hierarchical: bool = True):
     from .optimizer import DistributedOptimizer
@@ -93,7 +98,6 @@ def wrap(name: str, optimizer: torch.optim.Optimizer, model: torch.nn.Module, cf
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
     opt = METHODS[name](optimizer, model, cfg, local_steps, sample_batch)
     if not isinstance(opt, Method):   # the same on every rank: a programming error, not a user's
-        missing = [a for a in ("records_per_epoch", "stats", "rounds_done", "consensus", "consensus_weights",
-                               "finalize", "state_dict", "load_state_dict") if not hasattr(opt, a)]
+        missing = [a for a in _MEMBERS if not hasattr(opt, a)]
         raise TypeError(f"method {name!r} does not offer what the trainer needs: {missing}")
     return opt

@@ -58,10 +58,6 @@ def rounds_with_snapshots(num_nodes, local_size, rounds, models, sparsity="chann
     return per_round, [res[1] for res in results]
 
 
-def node_ranks(num_nodes, local_size):
-    return tuple(tuple(range(i * local_size, (i + 1) * local_size)) for i in range(num_nodes))
-
-
 # -- 5. dual residuals: every copy counts ------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", [(2, 4), (3, 2), (1, 3)], ids=lambda l: f"{l[0]}x{l[1]}")
@@ -73,7 +69,8 @@ def test_residuals_and_rho_decisions_match_the_reference(layout):
     per_round, engines = rounds_with_snapshots(M, P, 4, models)
     specs = {e.name: e.spec for e in engines[0].structured}
     for rnd, (before, after) in enumerate(per_round):
-        want = reference_round(before, node_ranks(M, P), specs, weight_decay_z=SETTINGS["weight_decay_z"], rho_max=10.0)
+        want = reference_round(before, engines[0].topo.node_ranks, specs,
+                               weight_decay_z=SETTINGS["weight_decay_z"], rho_max=10.0)
         for name, expected in want["residuals"].items():
             got = after[0]["residuals"][name]
             keys = ("r_intra", "s_intra", "r_inter", "s_inter")[:len(expected)]
@@ -138,7 +135,8 @@ def test_half_precision_model_against_the_float64_reference(dtype):
     assert all(e.u.dtype == e.z.dtype == torch.float32 for eng in engines for e in eng.entries)
     worst = {"z_i": 0.0, "u": 0.0, "z": 0.0}
     for before, after in per_round:
-        want = reference_round(before, node_ranks(2, 2), {}, weight_decay_z=SETTINGS["weight_decay_z"], rho_max=10.0)
+        want = reference_round(before, engines[0].topo.node_ranks, {},
+                               weight_decay_z=SETTINGS["weight_decay_z"], rho_max=10.0)
         for r, got in enumerate(after):
             for name, theta in before[r]["theta"].items():
                 scale = max(float(theta.double().norm()), 1e-12)
