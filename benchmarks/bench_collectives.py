@@ -23,7 +23,7 @@ def worker(sizes_mb, reps):
     import torch
 
     import prunex_hvd as px
-    from prunex_hvd.runtime import state
+    from prunex_hvd.dist.runtime import state
     topo = px.init(backend="auto")
     _, control = state()
     usable = [b for b in ("mpi", "gloo", "horovod") if px.comm.unavailable_reason(b, topo.launcher) is None]

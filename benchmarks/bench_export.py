@@ -30,8 +30,9 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchjson import emit  # noqa: E402
 
-from prunex_hvd import export, models, sparsity  # noqa: E402
-from prunex_hvd.dependencies import channel_couplings, channel_streams  # noqa: E402
+from prunex_hvd import sparsity  # noqa: E402
+from prunex_hvd.app import export, models  # noqa: E402
+from prunex_hvd.engine.dependencies import channel_couplings, channel_streams  # noqa: E402
 
 
 def masked_model(name: str, spec: str, mode: str, seed: int) -> nn.Module:

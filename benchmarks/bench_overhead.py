@@ -41,7 +41,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     import prunex_hvd as px
-    from prunex_hvd.models import build
+    from prunex_hvd.app.models import build
 
     px.init(backend="auto")
     torch.manual_seed(0)

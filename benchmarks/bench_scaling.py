@@ -63,7 +63,8 @@ def model_facts(name: str, spec: str, image_size: int = 32) -> dict:
     import torch
     from torch import nn
 
-    from prunex_hvd import models, sparsity
+    from prunex_hvd import sparsity
+    from prunex_hvd.app import models
 
     torch.manual_seed(0)
     model = models.build(name, num_classes=10, in_channels=3)
@@ -104,7 +105,7 @@ def measure_step(name: str, batch: int, image_size: int, reps: int):
     import torch
     import torch.nn.functional as F
 
-    from prunex_hvd import models
+    from prunex_hvd.app import models
 
     torch.manual_seed(0)
     model = models.build(name, num_classes=10, in_channels=3)

@@ -9,7 +9,7 @@ Throughput ratio = copy time / our time (1.0: as fast as a copy; bytes/s of the 
 ``shrink_vs_copy_compact`` is the stricter figure against copying only the compact block's bytes.
 
 Both run as the engine runs them: each layer's ``sparsity.gather_plan`` is computed once (the engine caches
-it while masks hold). On CPU every pruned layer then takes the native kernel (``prunex_hvd.native``:
+it while masks hold). On CPU every pruned layer then takes the native kernel (``prunex_hvd.engine.sparsity.native``:
 one pass each way); on CUDA every structure takes one gather each way, recover gathering
 from the bucket slice whose pruned chunks read the bucket's unsent zero tail. On CPU the same cases also run
 through ATen alone (``*_aten``: ``gather_plan(use_kernel=False)``, what runs where the kernel cannot be built),
@@ -25,8 +25,9 @@ import time
 
 import torch
 
-from prunex_hvd import native, sparsity
-from prunex_hvd.buckets import BucketLayout
+from prunex_hvd import sparsity
+from prunex_hvd.engine.sparsity import native
+from prunex_hvd.engine.buckets import BucketLayout
 
 SHAPES = [(64, 64, 3, 3), (256, 128, 3, 3), (512, 256, 3, 3), (512, 512, 3, 3), (2048, 512, 1, 1)]
 SPECS = ["channel:0.5", "filter:0.5", "filter:0.5+channel:0.5", "shape:0.5", "channel:0.3"]
@@ -146,7 +147,7 @@ def measure(shape, spec, device, reps):
 def measure_model(name, spec, device, reps):
     """A whole model's conv weights packed into one flat bucket (as a consensus round does) and unpacked,
     against packing and unpacking them dense."""
-    from prunex_hvd.models import build
+    from prunex_hvd.app.models import build
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ws = [p.detach().to(device) for p in build(name, 10, 3).parameters() if p.dim() == 4]
     runs, ops = engine_and_aten(ws, [sparsity.structured_masks(w, spec) for w in ws], device)

@@ -14,7 +14,7 @@ coupled too; ``--local-steps`` SGD steps per round) on the ``synthetic`` dataset
   scalars too). The masks freeze after round ``--freeze-round`` (default: the second to last), so the last round
   is the steady state: exactly the requested structure.
 * sweep: every rank keeps its node's exact candidate z~_i of the last unfrozen round (the tensor the engine
-  projected: captured by wrapping ``prunex_hvd.admm.node_candidate``, whose result is passed on unchanged). For
+  projected: captured by wrapping ``prunex_hvd.engine.admm.node_candidate``, whose result is passed on unchanged). For
   every kind (filter, channel, channel-coupled = channel with the producing filters of dropped channels
   dropped too, channel-streams = channel-coupled and one channel set per residual stream, composite =
   filter+channel at the same keep) and keep, each node's masks are
@@ -25,7 +25,7 @@ coupled too; ``--local-steps`` SGD steps per round) on the ``synthetic`` dataset
   sent in that round, and the frozen count against the engine's frozen round.
 
 Prints one JSON document (also written to --out). Byte figures are for float32 under the ring model of
-``prunex_hvd.comm.accounting`` (for two nodes exact for any allreduce algorithm: each leader sends its
+``prunex_hvd.dist.comm.accounting`` (for two nodes exact for any allreduce algorithm: each leader sends its
 message once)."""
 from __future__ import annotations
 
@@ -57,10 +57,12 @@ def worker(a) -> None:
     import torch.nn.functional as F
 
     import prunex_hvd as px
-    from prunex_hvd import admm, dependencies, models, sparsity
-    from prunex_hvd.comm.accounting import ring_cross_node_bytes
-    from prunex_hvd.data import ShardedLoader, load_dataset
-    from prunex_hvd.runtime import state
+    from prunex_hvd import sparsity
+    from prunex_hvd.app import models
+    from prunex_hvd.engine import admm, dependencies
+    from prunex_hvd.dist.comm.accounting import ring_cross_node_bytes
+    from prunex_hvd.app.data import ShardedLoader, load_dataset
+    from prunex_hvd.dist.runtime import state
 
     t_start = time.perf_counter()
     topo = px.init(backend="auto")

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import prunex_hvd as px
-from prunex_hvd.data import ShardedLoader, load_dataset
-from prunex_hvd.models import build, default_image_size
+from prunex_hvd.app.data import ShardedLoader, load_dataset
+from prunex_hvd.app.models import build, default_image_size
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--dataset", default="cifar10", choices=("cifar10", "digits", "synthetic"))

@@ -7,10 +7,11 @@ topology. Structured pruning that shrinks what crosses the inter-node links.
 """
 import logging
 
-from . import comm, sparsity
+from .dist import comm
+from .dist.runtime import init, is_initialized, shutdown, topology
+from .dist.topology import Topology, TopologyError
+from .engine import sparsity
 from .optimizer import DistributedOptimizer
-from .runtime import init, is_initialized, shutdown, topology
-from .topology import Topology, TopologyError
 
 # what a user wants in a log (freezing, ρ changes, refused rounds), on rank 0; silent unless the application
 # configures logging (the prunex-hvd command does)

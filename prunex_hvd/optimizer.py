@@ -56,12 +56,13 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from . import agreement, dependencies, runtime
+from .dist import agreement, runtime
+from .dist.comm import groups as comm_groups
+from .dist.comm.base import Groups, SingleCommunicator
+from .engine import dependencies
+from .engine.hsadmm import HSADMM
 # names, not the module: the factory's `sparsity` argument shadows it
-from .sparsity import check_layer_types, resolve_specs, stages_removing_nothing, stream_keep
-from .comm import groups as comm_groups
-from .comm.base import Groups, SingleCommunicator
-from .hsadmm import HSADMM
+from .engine.sparsity import check_layer_types, resolve_specs, stages_removing_nothing, stream_keep
 
 
 COUPLING_MODES = (False, True, "pairs", "streams")

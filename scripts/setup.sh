@@ -36,8 +36,13 @@ if ! "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.__version__.sp
     pip install -q "$TORCH_SPEC"
 fi
 
-# 4. The package itself (editable) with its test extras; torch_pruning too, so an older venv picks it up.
-if ! have prunex_hvd || ! have pytest || ! have mpi4py || ! have torch_pruning; then
+# 4. The package itself (editable) with its test extras; torch_pruning too, so an older venv picks it up; again
+#    when the installed `prunex-hvd` script no longer loads (its module moved since that venv was made).
+entry_loads() {
+    "$VENV/bin/python" -c "from importlib.metadata import entry_points as e; \
+[p.load() for p in e(group='console_scripts') if p.name == 'prunex-hvd'] or exit(1)" >/dev/null 2>&1
+}
+if ! have prunex_hvd || ! have pytest || ! have mpi4py || ! have torch_pruning || ! entry_loads; then
     say "installing prunex_hvd[dev]"
     pip install -q setuptools wheel
     pip install -q --no-build-isolation -e "$here[dev]"
@@ -48,5 +53,5 @@ if [ "${PRUNEX_NO_HOROVOD:-0}" != "1" ] && ! have horovod.torch; then
     "$here/scripts/build_horovod.sh" "$VENV/bin/python" "$PRUNEX_CACHE"
 fi
 # 6. The native shrink/recover kernel (a second's compile, cached next to the wheel; built on first use too).
-PRUNEX_CACHE="$PRUNEX_CACHE" "$VENV/bin/python" -m prunex_hvd.native
+PRUNEX_CACHE="$PRUNEX_CACHE" "$VENV/bin/python" -m prunex_hvd.engine.sparsity.native
 say "ready: $VENV/bin/python"

@@ -29,5 +29,5 @@ def full_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def digits():
     """The digits dataset at its default 16×16 (loaded once; tests read it, none modifies it)."""
-    from prunex_hvd.data import load_dataset
+    from prunex_hvd.app.data import load_dataset
     return load_dataset("digits")

@@ -175,7 +175,7 @@ def keep(k, n):
 
 
 def ring_allreduce_bytes(payload, members):
-    """What each member of a ring allreduce sends (prunex_hvd.comm.accounting's model): 2(n-1)/n of it."""
+    """What each member of a ring allreduce sends (prunex_hvd.dist.comm.accounting's model): 2(n-1)/n of it."""
     return 2 * (members - 1) * payload // members
 
 

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from prunex_hvd.sparsity import structured_masks
+from prunex_hvd.engine.sparsity import structured_masks
 
 MU, TAU = 10.0, 2.0
 

@@ -1,7 +1,7 @@
 """The ring traffic model and the ledger, checked against sums written out by hand."""
 import pytest
 
-from prunex_hvd.comm.accounting import CommLedger, CommRecord, ring_cross_node_bytes, ring_sent_bytes
+from prunex_hvd.dist.comm.accounting import CommLedger, CommRecord, ring_cross_node_bytes, ring_sent_bytes
 
 
 def test_allreduce_ring_sends_2_n_minus_1_over_n():

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from prunex_hvd import admm
-from prunex_hvd.buckets import BucketLayout
+from prunex_hvd.engine import admm
+from prunex_hvd.engine.buckets import BucketLayout
 
 
 @pytest.mark.parametrize("P,M,lam", [(1, 1, 0.0), (2, 2, 0.0), (4, 3, 0.7)])

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from prunex_hvd import checkpoint
-from prunex_hvd.launch import Control
+from prunex_hvd.app import checkpoint
+from prunex_hvd.dist.launch import Control
 
 META = {"model": "resnet_small", "sparsity": "channel:0.5", "world_size": 1, "num_nodes": 1, "ranks_per_node": 1}
 
@@ -122,8 +122,8 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
 
 WRITER = """
 import sys, torch
-from prunex_hvd import checkpoint
-from prunex_hvd.launch import Control
+from prunex_hvd.app import checkpoint
+from prunex_hvd.dist.launch import Control
 out = sys.argv[1]
 big = torch.randn(6_000_000)            # 24 MB per checkpoint: a kill lands inside a write most of the time
 for tag in range(1, 10_000):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from prunex_hvd.data import DATASETS, ImageData, ShardedLoader, load_dataset
+from prunex_hvd.app.data import DATASETS, ImageData, ShardedLoader, load_dataset
 
 
 # (the digits fixture is in conftest.py)

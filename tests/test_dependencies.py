@@ -5,8 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from prunex_hvd import dependencies, sparsity
-from prunex_hvd.models import build
+from prunex_hvd import sparsity
+from prunex_hvd.engine import dependencies
+from prunex_hvd.app.models import build
 
 
 def test_resnet_streams():

@@ -1,4 +1,4 @@
-"""H-SADMM on M×P ranks as threads of this process (prunex_hvd.comm.threads), round by round against the
+"""H-SADMM on M×P ranks as threads of this process (prunex_hvd.dist.comm.threads), round by round against the
 single-process reference: the checks test_engine_launch.py runs under mpirun on 2×2, here in seconds on any
 layout, one node and one rank per node included.
 
@@ -11,11 +11,11 @@ import json
 import pytest
 
 import engine_cases as cases
-from prunex_hvd import native
-from prunex_hvd.comm.threads import thread_cluster
-from prunex_hvd.hsadmm import HSADMM
+from prunex_hvd.engine.sparsity import native
+from prunex_hvd.dist.comm.threads import thread_cluster
+from prunex_hvd.engine.hsadmm import HSADMM
 from prunex_hvd.optimizer import _couplings
-from prunex_hvd.sparsity import resolve_specs
+from prunex_hvd.engine.sparsity import resolve_specs
 from threaded import run_ranks
 
 LAYOUTS = [(1, 1), (1, 3), (3, 1), (2, 2), (2, 3)]

@@ -1,4 +1,4 @@
-"""`prunex-hvd export` / prunex_hvd.export: the slim model computes what the masked one does, on real data
+"""`prunex-hvd export` / prunex_hvd.app.export: the slim model computes what the masked one does, on real data
 (the digits test set), with the channels the masks allow physically gone; save/load; clear errors."""
 import json
 import re
@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from prunex_hvd import cli, export, models, sparsity
-from prunex_hvd.data import ShardedLoader
-from prunex_hvd.dependencies import channel_couplings, channel_streams
-from prunex_hvd.models.resnet import Bottleneck, ResNet
+from prunex_hvd import sparsity
+from prunex_hvd.app import cli, export, models
+from prunex_hvd.app.data import ShardedLoader
+from prunex_hvd.engine.dependencies import channel_couplings, channel_streams
+from prunex_hvd.app.models.resnet import Bottleneck, ResNet
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""Every training method offers the trainer's contract (prunex_hvd.methods.Method), in one process."""
+"""Every training method offers the trainer's contract (prunex_hvd.app.methods.Method), in one process."""
 import pytest
 import torch
 import torch.nn as nn
 
 from models_for_tests import toy_cnn
-from prunex_hvd import methods
-from prunex_hvd.train import TrainConfig
+from prunex_hvd.app import methods
+from prunex_hvd.app.train import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
 

@@ -24,7 +24,7 @@ def ring_allreduce_cross(nbytes, crossing=2, n=4):
 
 
 def model_sizes():
-    from prunex_hvd.models import build
+    from prunex_hvd.app.models import build
     model = build("resnet_small", num_classes=10, in_channels=1)
     params = [p.numel() for p in model.parameters()]
     floats = [b.numel() for b in model.buffers() if b.is_floating_point()]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from prunex_hvd import models
-from prunex_hvd.models import resnet
+from prunex_hvd.app import models
+from prunex_hvd.app.models import resnet
 
 # 10 classes, 3 input channels. resnet18/50/152 and wide_resnet50_2 equal torchvision's counts with the
 # 7x7 stem swapped for a 3x3 one and a 10-way head (e.g. resnet50: 25,557,032 - 7,680 - 2,028,510).

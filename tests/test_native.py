@@ -1,4 +1,4 @@
-"""The native column kernel (prunex_hvd/native/maskcopy.c) against ATen's paths: the same blocks and tensors
+"""The native column kernel (prunex_hvd/engine/sparsity/native/maskcopy.c) against ATen's paths: the same blocks and tensors
 for every shape, row subset, dtype and thread count, never a write outside its output, and a clean fallback."""
 import copy
 import os
@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from prunex_hvd import native
-from prunex_hvd.sparsity import (KernelPlan, apply_masks, gather_plan, gemm_view, masks_to_indices, recover,
+from prunex_hvd.engine.sparsity import native
+from prunex_hvd.engine.sparsity import (KernelPlan, apply_masks, gather_plan, gemm_view, masks_to_indices, recover,
                                  shrink, shrink_into, structured_masks)
 
 needs_kernel = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.describe()}")
@@ -142,7 +142,8 @@ def run_python(code, **env):
 
 CHECK = """
 import warnings, torch
-from prunex_hvd import native, sparsity
+from prunex_hvd import sparsity
+from prunex_hvd.engine.sparsity import native
 w = torch.randn(32, 16, 3, 3)
 rows, cols = sparsity.structured_masks(w, "shape:0.5")
 r, c = sparsity.masks_to_indices(rows, cols)

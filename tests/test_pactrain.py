@@ -216,8 +216,8 @@ def test_grasp_masks_from_the_single_rank_scores(single_process):
 
 
 def test_methods_registry_builds_pactrain(single_process):
-    from prunex_hvd import methods
-    from prunex_hvd.train import TrainConfig
+    from prunex_hvd.app import methods
+    from prunex_hvd.app.train import TrainConfig
     model = toy_cnn()
     cfg = TrainConfig(sparsity="channel:0.5", pactrain_score="grasp", pactrain_patience=1, terngrad=True, seed=4)
     opt = methods.wrap("pactrain", torch.optim.SGD(model.parameters(), lr=0.05), model, cfg, 1,

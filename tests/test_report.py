@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from prunex_hvd import report
+from prunex_hvd.app import report
 
 LAYERS = ["conv1.weight", "conv2.weight", "conv3.weight"]
 PNG = b"\x89PNG\r\n\x1a\n"

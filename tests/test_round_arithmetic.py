@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 
 from engine_cases import SETTINGS as ENGINE_SETTINGS, make_model, model_state, rank_batch, sgd, snapshot
-from prunex_hvd import admm
-from prunex_hvd.hsadmm import HSADMM
-from prunex_hvd.sparsity import resolve_specs
+from prunex_hvd.engine import admm
+from prunex_hvd.engine.hsadmm import HSADMM
+from prunex_hvd.engine.sparsity import resolve_specs
 from reference import reference_round
 from threaded import run_ranks
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from prunex_hvd import native as native_kernel
+from prunex_hvd.engine.sparsity import native as native_kernel
 from prunex_hvd import sparsity as sparsity_module
-from prunex_hvd.buckets import BucketLayout
-from prunex_hvd.sparsity import (KernelPlan, GatherPlan, StructureSpec, apply_masks, density, gather_plan, gemm_view,
+from prunex_hvd.engine.buckets import BucketLayout
+from prunex_hvd.engine.sparsity import (KernelPlan, GatherPlan, StructureSpec, apply_masks, density, gather_plan, gemm_view,
                                  keep_count, masks_to_indices, parse_spec, project, recover, recover_gather, resolve_specs, shrink,
                                  structured_masks)
 

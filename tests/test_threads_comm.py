@@ -1,12 +1,12 @@
-"""The thread-backed communicator (prunex_hvd.comm.threads): every collective on M×P ranks in one process,
+"""The thread-backed communicator (prunex_hvd.dist.comm.threads): every collective on M×P ranks in one process,
 its byte accounting against the ring model, and a failing rank that stops the others at once."""
 import time
 
 import pytest
 import torch
 
-from prunex_hvd.comm.accounting import ring_cross_node_bytes, ring_sent_bytes
-from prunex_hvd.comm.threads import ClusterAborted, thread_cluster
+from prunex_hvd.dist.comm.accounting import ring_cross_node_bytes, ring_sent_bytes
+from prunex_hvd.dist.comm.threads import ClusterAborted, thread_cluster
 from threaded import RankFailed, run_ranks
 
 

@@ -1,7 +1,7 @@
 """The node grouping is a pure function of what every rank reported: tested here without launching."""
 import pytest
 
-from prunex_hvd.topology import TopologyError, group_nodes, parse_ranks_per_node
+from prunex_hvd.dist.topology import TopologyError, group_nodes, parse_ranks_per_node
 
 
 def topo(rank, keys, override=None, grouping="test"):

@@ -38,8 +38,8 @@ def test_metrics_summary_and_final_model(full_run):
     assert summary["inter_bytes"] == final["inter_bytes"] == rounds[-1]["inter_bytes"]
 
     # the saved model, scored here in one process, is exactly what the job reported, at the requested density
-    from prunex_hvd.data import ShardedLoader, load_dataset
-    from prunex_hvd.models import build
+    from prunex_hvd.app.data import ShardedLoader, load_dataset
+    from prunex_hvd.app.models import build
     blob = torch.load(out / "final_model.pt")
     model = build(blob["model"], blob["num_classes"], blob["in_channels"])
     model.load_state_dict(blob["state_dict"])

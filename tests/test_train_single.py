@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from prunex_hvd import cli
+from prunex_hvd.app import cli
 
 
 pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
@@ -108,8 +108,8 @@ def test_coupled_channels_from_the_command_line(tmp_path, capsys):
 def test_coupled_streams_from_the_command_line(tmp_path, capsys):
     """--coupled-streams: every residual stream's channels are live in all of its readers and writers or in
     none, and the blocks' pairs hold as with --coupled; the model is smaller still."""
-    from prunex_hvd.dependencies import channel_couplings, channel_streams
-    from prunex_hvd.models import build
+    from prunex_hvd.engine.dependencies import channel_couplings, channel_streams
+    from prunex_hvd.app.models import build
     out = tmp_path / "run"
     rc = cli.main(BASE + ["--dataset", "synthetic", "--image-size", "8", "--batch-size", "16", "--epochs", "1",
                           "--local-steps", "4", "--freeze-round", "1", "--coupled-streams", "--out", str(out)])

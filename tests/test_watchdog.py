@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from prunex_hvd import watchdog
+from prunex_hvd.dist import watchdog
 
 
 @pytest.mark.parametrize("value,env,want", [(None, None, 600.0), (None, "12.5", 12.5), (3, "12.5", 3.0),

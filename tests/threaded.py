@@ -1,4 +1,4 @@
-"""Run a function on every rank of an M×P thread cluster (:mod:`prunex_hvd.comm.threads`) in one process.
+"""Run a function on every rank of an M×P thread cluster (:mod:`prunex_hvd.dist.comm.threads`) in one process.
 
     results = run_ranks(2, 2, lambda rank: rank.groups.intra.allreduce_(torch.ones(3)).tolist())
 
@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Callable, List
 
-from prunex_hvd.comm.threads import DEFAULT_TIMEOUT_S, ClusterAborted, ThreadCluster, ThreadRank, thread_cluster
+from prunex_hvd.dist.comm.threads import DEFAULT_TIMEOUT_S, ClusterAborted, ThreadCluster, ThreadRank, thread_cluster
 
 
 class RankFailed(RuntimeError):

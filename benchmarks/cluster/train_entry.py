@@ -8,7 +8,7 @@ The same as the ``prunex-hvd`` console script, plus two things:
   inter-node links without being part of any collective. Tensors go through the same mpi4py communicators
   either way (backend ``auto`` on CPU under MPI).
 * after a successful run, rank 0 writes ``<out>/ledger.json``: every rank's full accounting ledger
-  (``prunex_hvd.comm.summary(by_op=True)``). ``metrics.jsonl``'s ``inter_bytes`` is a method's *training*
+  (``prunex_hvd.dist.comm.summary(by_op=True)``). ``metrics.jsonl``'s ``inter_bytes`` is a method's *training*
   traffic; the ledger also holds the collectives that are not (the initial model broadcast, tagged
   ``broadcast-init``, and evaluation bookkeeping, tagged ``eval``), all of which the kernel sees too.
 """
@@ -17,11 +17,11 @@ import os
 import sys
 
 if os.environ.get("PXC_CONTROL_PLANE") == "mpi":
-    from prunex_hvd import launch
+    from prunex_hvd.dist import launch
 
     launch.horovod_installed = lambda: False
 
-from prunex_hvd.cli import main  # noqa: E402
+from prunex_hvd.app.cli import main  # noqa: E402
 
 
 def _out_dir(argv):
@@ -36,7 +36,7 @@ def _out_dir(argv):
 def dump_ledger(out):
     from mpi4py import MPI
 
-    from prunex_hvd.comm import accounting
+    from prunex_hvd.dist.comm import accounting
 
     comm = MPI.COMM_WORLD
     rows = comm.gather(accounting.summary(by_op=True), root=0)

@@ -12,8 +12,8 @@ from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
-from ..buckets import BucketLayout
-from ..comm.accounting import ledger as default_ledger, ring_cross_node_bytes
+from ..engine.buckets import BucketLayout
+from ..dist.comm.accounting import ledger as default_ledger, ring_cross_node_bytes
 from ..optimizer import check_wrapping, mix_into  # noqa: F401  (the baselines' wrapping, shared with PruneX's)
 
 
@@ -85,7 +85,7 @@ class MethodOptimizer(torch.optim.Optimizer):
     records_per_epoch = True   # talks every step: the trainer logs once an epoch
 
     def consensus(self) -> None:
-        """Nothing to do: every step already communicated (the :class:`prunex_hvd.methods.Method` contract)."""
+        """Nothing to do: every step already communicated (the :class:`prunex_hvd.app.methods.Method` contract)."""
         return None
 
     def _method_setup(self, model: torch.nn.Module, world, ledger=None) -> None:

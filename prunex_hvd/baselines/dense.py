@@ -17,9 +17,9 @@ from typing import Optional
 
 import torch
 
-from .. import agreement, runtime, watchdog
-from ..comm import groups as comm_groups
-from ..comm.accounting import CommRecord, ring_cross_node_bytes, ring_sent_bytes
+from ..dist import agreement, runtime, watchdog
+from ..dist.comm import groups as comm_groups
+from ..dist.comm.accounting import CommRecord, ring_cross_node_bytes, ring_sent_bytes
 from .common import MethodOptimizer, Traffic, broadcast_model, check_wrapping, flat_layout, mix_into
 
 

@@ -55,8 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import agreement, runtime
-from ..sparsity import keep_count, resolve_specs
+from ..dist import agreement, runtime
+from ..engine.sparsity import keep_count, resolve_specs
 from .common import MethodOptimizer, broadcast_model, check_wrapping, flat_layout, mix_into
 
 SCORES = ("magnitude", "grasp")
@@ -406,7 +406,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     held, specs, keep = agreement.checked_construction("the PacTrain optimizer", backend, model, checks)
     named = dict(model.named_parameters())
 
-    from ..comm import groups as comm_groups
+    from ..dist.comm import groups as comm_groups
     world = comm_groups(backend).world
     if terngrad and world.size >= 128:
         raise ValueError(f"terngrad sums int8 values in [-1, 1] over the world: needs fewer than 128 ranks, "

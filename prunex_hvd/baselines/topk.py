@@ -57,8 +57,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import agreement
-from ..comm import groups as comm_groups
+from ..dist import agreement
+from ..dist.comm import groups as comm_groups
 from .common import MethodOptimizer, broadcast_model, check_wrapping, flat_layout, mix_into
 
 _INT32_LIMIT = 2**31 - 1

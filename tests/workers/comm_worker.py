@@ -17,6 +17,8 @@ import traceback
 
 import torch
 
+from worker_io import assert_close
+
 
 # prunex_hvd.init keyword arguments tried by --try-init, each expected to fail on every rank
 TRIES = {"env": {},                                          # whatever the launch set (PRUNEX_RANKS_PER_NODE)
@@ -48,10 +50,6 @@ def env_rank():
     return 0
 
 
-def close(a, b, what):
-    torch.testing.assert_close(a, b, msg=lambda m: f"{what}: {m}")
-
-
 def exercise(px, backend, topo, device):
     g = px.comm.groups(backend)
     px.comm.reset()
@@ -62,28 +60,28 @@ def exercise(px, backend, topo, device):
     # intra: sum and avg
     t = torch.arange(1000, **f32) + r
     g.intra.allreduce_(t, "sum")
-    close(t, sum(torch.arange(1000, **f32) + q for q in local), "intra allreduce sum")
+    assert_close(t, sum(torch.arange(1000, **f32) + q for q in local), "intra allreduce sum")
     t = torch.full((10,), float(r), dtype=torch.float64, device=device)
     g.intra.allreduce_(t, "avg")
-    close(t, torch.full_like(t, sum(local) / len(local)), "intra allreduce avg")
+    assert_close(t, torch.full_like(t, sum(local) / len(local)), "intra allreduce avg")
 
     # inter: leaders only
     if topo.is_leader:
         t = torch.arange(1000, **f32) * (node + 1)
         g.inter.allreduce_(t, "avg")
         mean = sum(n + 1 for n in range(topo.num_nodes)) / topo.num_nodes
-        close(t, torch.arange(1000, **f32) * mean, "inter allreduce avg")
+        assert_close(t, torch.arange(1000, **f32) * mean, "inter allreduce avg")
     else:
         assert g.inter is None, "a non-leader must hold no inter-node group"
 
     # world
     t = torch.full((7,), r, dtype=torch.int64, device=device)
     g.world.allreduce_(t, "sum")
-    close(t, torch.full_like(t, sum(range(topo.size))), "world allreduce sum")
+    assert_close(t, torch.full_like(t, sum(range(topo.size))), "world allreduce sum")
     t = torch.tensor([float(r), -float(r), 0.5, float(r % 2), 1e-3 * r], **f32)
     g.world.allreduce_(t, "max")
     n = topo.size
-    close(t, torch.tensor([n - 1.0, 0.0, 0.5, 1.0 if n > 1 else 0.0, 1e-3 * (n - 1)], **f32), "world allreduce max")
+    assert_close(t, torch.tensor([n - 1.0, 0.0, 0.5, 1.0 if n > 1 else 0.0, 1e-3 * (n - 1)], **f32), "world allreduce max")
 
     # bitwise-or of masks: 0/1 masks everywhere, bit patterns where the backend has BOR
     def mask_of(q, n=33):
@@ -96,11 +94,11 @@ def exercise(px, backend, topo, device):
             continue
         m = mask_of(r).to(device)
         comm.bor_(m)
-        close(m.cpu(), torch.stack([mask_of(q) for q in members]).amax(0), f"{tier} bor")
+        assert_close(m.cpu(), torch.stack([mask_of(q) for q in members]).amax(0), f"{tier} bor")
     bits = torch.tensor([1 << r, 0, 255 if r == 0 else 0], dtype=torch.uint8, device=device)
     if g.world.has_bor if backend != "auto" else g.world._pick(bits).has_bor:
         g.world.bor_(bits)
-        close(bits.cpu(), torch.tensor([(1 << topo.size) - 1, 0, 255], dtype=torch.uint8), "world bor bits")
+        assert_close(bits.cpu(), torch.tensor([(1 << topo.size) - 1, 0, 255], dtype=torch.uint8), "world bor bits")
     else:
         try:
             g.world.bor_(bits)
@@ -112,26 +110,26 @@ def exercise(px, backend, topo, device):
     # broadcast: intra from local rank 1, world from rank 2 (when they exist)
     t = torch.full((100,), float(r), **f32)
     g.intra.broadcast_(t, root=1 % topo.local_size)
-    close(t, torch.full_like(t, float(local[1 % topo.local_size])), "intra broadcast")
+    assert_close(t, torch.full_like(t, float(local[1 % topo.local_size])), "intra broadcast")
     t = torch.full((100,), float(r), **f32)
     g.world.broadcast_(t, root=2 % topo.size)
-    close(t, torch.full_like(t, float(2 % topo.size)), "world broadcast")
+    assert_close(t, torch.full_like(t, float(2 % topo.size)), "world broadcast")
 
     # allgather: equal (declared and discovered), unequal, and on the leaders
     out = g.world.allgather(torch.full((3, 5), float(r), **f32), same_shape=True)
-    close(torch.stack(out), torch.stack([torch.full((3, 5), float(q), **f32) for q in range(topo.size)]),
+    assert_close(torch.stack(out), torch.stack([torch.full((3, 5), float(q), **f32) for q in range(topo.size)]),
           "world allgather same_shape")
     out = g.world.allgather(torch.full((3, 5), float(r), **f32))
-    close(torch.stack(out), torch.stack([torch.full((3, 5), float(q), **f32) for q in range(topo.size)]),
+    assert_close(torch.stack(out), torch.stack([torch.full((3, 5), float(q), **f32) for q in range(topo.size)]),
           "world allgather")
     out = g.world.allgather(torch.full((r + 1, 2), float(r), **f32))
     assert [tuple(o.shape) for o in out] == [(q + 1, 2) for q in range(topo.size)], "unequal allgather shapes"
     for q, o in enumerate(out):
-        close(o, torch.full((q + 1, 2), float(q), **f32), "world allgather unequal")
+        assert_close(o, torch.full((q + 1, 2), float(q), **f32), "world allgather unequal")
     if topo.is_leader:
         out = g.inter.allgather(torch.arange(node + 2, dtype=torch.int32, device=device))
         for n, o in enumerate(out):
-            close(o, torch.arange(n + 2, dtype=torch.int32, device=device), "inter allgather unequal")
+            assert_close(o, torch.arange(n + 2, dtype=torch.int32, device=device), "inter allgather unequal")
     g.world.barrier()
     return px.comm.summary(by_op=True)
 

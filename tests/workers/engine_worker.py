@@ -32,7 +32,7 @@ def main():
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
-    from prunex_hvd.runtime import state
+    from prunex_hvd.dist.runtime import state
     topo = px.init(backend=a.backend)
     control = state()[1]
     if a.device == "cuda":

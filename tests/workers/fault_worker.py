@@ -28,7 +28,8 @@ def launch_rank() -> int:
 
 def inject(fault: str, at_round: int, out: str) -> None:
     """Install the fault in this process (the faulty rank only)."""
-    from prunex_hvd import admm, data, hsadmm
+    from prunex_hvd.app import data
+    from prunex_hvd.engine import admm, hsadmm
 
     def mark():
         with open(os.path.join(out, "fault.pid"), "w") as f:
@@ -105,7 +106,7 @@ def main():
         return uneven(a.out, a.rank)
     if launch_rank() == a.rank:
         inject(a.fault, a.round, a.out)
-    from prunex_hvd import cli
+    from prunex_hvd.app import cli
     sys.exit(cli.main(train_args))
 
 

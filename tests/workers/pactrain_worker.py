@@ -19,16 +19,14 @@ import torch.nn as nn
 
 import worker_io
 
+TOL = dict(rtol=1e-5, atol=1e-7)   # float32 sums in another order
+
 
 def make_model():
     torch.manual_seed(1234)
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                          nn.Conv2d(8, 12, 3, padding=1), nn.BatchNorm2d(12), nn.ReLU(),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(12, 5))
-
-
-def close(name, got, want):
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
 def payloads_of(grads, names, lay, idx, travel):
@@ -58,7 +56,7 @@ def main():
 
 def run(a, terngrad):
     from prunex_hvd.baselines import pactrain
-    from prunex_hvd.runtime import state
+    from prunex_hvd.dist.runtime import state
     topo, control = state()
     model = make_model()
     if topo.rank != 0:   # different starting points: construction must broadcast rank 0's
@@ -118,7 +116,8 @@ def run(a, terngrad):
                 for n in names:
                     want = torch.stack([m[n] for m in masked]).sum(0) / n_world
                     for r in range(n_world):
-                        close(f"step {step} ({'compact' if stable else 'full'}) rank {r} grad {n}", post[r][n], want)
+                        phase = "compact" if stable else "full"
+                        worker_io.assert_close(post[r][n], want, f"step {step} ({phase}) rank {r} grad {n}", **TOL)
                         assert torch.equal(post[r][n], post[0][n])
             else:
                 # the flat payloads each rank put on the wire, rebuilt from its masked gradient
@@ -130,7 +129,7 @@ def run(a, terngrad):
                 for r in range(n_world):
                     assert torch.equal(next(v for kind, v in sent_all[r] if kind == "s"), s), "scales differ"
                 want_s = torch.stack([torch.stack([p.abs().max() for p in pl]) for pl in payloads]).amax(0)
-                close(f"step {step} shared scale", s, want_s)
+                worker_io.assert_close(s, want_s, f"step {step} shared scale", **TOL)
                 ts = [[v for kind, v in sent_all[r] if kind == "t"] for r in range(n_world)]
                 ref_bufs = [torch.zeros(b.numel()) for b in lay.buffers]
                 assert all(len(ts[r]) == len(travel) for r in range(n_world)), "one int8 allreduce per payload"
@@ -150,8 +149,8 @@ def run(a, terngrad):
                     b, off = lay.place[k]
                     want = ref_bufs[b][off: off + pre[0][n].numel()].view_as(pre[0][n])
                     for r in range(n_world):
-                        close(f"step {step} ({'compact' if stable else 'full'}) rank {r} terngrad {n}",
-                              post[r][n], want)
+                        phase = "compact" if stable else "full"
+                        worker_io.assert_close(post[r][n], want, f"step {step} ({phase}) rank {r} terngrad {n}", **TOL)
             checks += 1
         weights_check(f"after step {step}")
     stats_before_finalize = opt.stats()

@@ -33,7 +33,7 @@ def main():
     a = ap.parse_args()
     import prunex_hvd as px
     from prunex_hvd.baselines import topk
-    from prunex_hvd.runtime import state
+    from prunex_hvd.dist.runtime import state
     topo = px.init(backend=a.backend)
     control = state()[1]
     model = make_model()

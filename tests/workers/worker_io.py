@@ -1,4 +1,5 @@
-"""What every launch-test worker shares: its per-rank result file and the error line the parent test greps."""
+"""What every launch-test worker shares: its per-rank result file, the error line the parent test greps, and a
+tensor comparison that names what it compared."""
 import json
 import os
 import sys
@@ -25,3 +26,9 @@ def run(main, name: str) -> None:
         sys.stdout.flush()
         time.sleep(2)
         sys.exit(3)
+
+
+def assert_close(got, want, what: str, **tolerances) -> None:
+    """``torch.testing.assert_close`` whose message starts with ``what`` (the step, rank and tensor compared)."""
+    import torch
+    torch.testing.assert_close(got, want, **tolerances, msg=lambda m: f"{what}: {m}")

@@ -1,7 +1,7 @@
 """How the processes were started, and a small channel for Python objects across them.
 
 The *control plane* (one per launcher) carries only tiny objects at set-up: node keys, error messages, the
-torch.distributed rendezvous address. Tensors never go through it; they go through :mod:`prunex_hvd.comm`.
+torch.distributed rendezvous address. Tensors never go through it; they go through :mod:`prunex_hvd.dist.comm`.
 """
 from __future__ import annotations
 

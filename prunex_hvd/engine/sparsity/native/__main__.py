@@ -1,4 +1,4 @@
-"""``python -m prunex_hvd.native``: build the kernel now (``make setup`` does) and say what runs."""
+"""``python -m prunex_hvd.engine.sparsity.native``: build the kernel now (``make setup`` does) and say what runs."""
 from . import build, describe
 
 path = build()

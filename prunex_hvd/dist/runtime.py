@@ -23,7 +23,7 @@ def init(backend: str = "auto", ranks_per_node: Optional[int] = None, timeout: O
 
     ``timeout`` (or env ``PRUNEX_TIMEOUT_S``, default 600 s, 0: off): how long any collective may wait before
     the watchdog stops the job, naming the ranks that did not arrive; a rank that died is named within about a
-    second (:mod:`prunex_hvd.watchdog`).
+    second (:mod:`prunex_hvd.dist.watchdog`).
 
     Collective: every rank must call it. Any problem (an unknown backend, an unavailable one, nodes of
     different sizes, ranks that disagree about the override) raises the same error on every rank."""
@@ -46,6 +46,7 @@ def init(backend: str = "auto", ranks_per_node: Optional[int] = None, timeout: O
     _topology, _control, _backend, _args = topo, control, backend, (backend, ranks_per_node, timeout)
     try:
         watchdog.start(control, topo.rank, topo.size, timeout)
+        comm.bind(topo, control, backend)
         comm.groups(backend)
     except Exception:
         shutdown()
@@ -89,5 +90,5 @@ def shutdown() -> None:
     """Forget the topology and groups (the launcher's own runtime stays up)."""
     global _topology, _control, _backend, _args
     watchdog.stop()
-    comm._forget()
+    comm.unbind()
     _topology = _control = _backend = _args = None

@@ -7,7 +7,7 @@
  * elements) or 4 (64-bit), and offs[b] (kept columns before block b, the same in every row) makes the blocks
  * independent. With every column kept (filter structure) a kept row is one memcpy.
  * Rows are split over OpenMP threads (torch's own runtime: it is already loaded, so the soname resolves to it).
- * Built on first use by prunex_hvd.native; without AVX2 the scalar loops run. */
+ * Built on first use by prunex_hvd.engine.sparsity.native; without AVX2 the scalar loops run. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -166,7 +166,7 @@ ROW_FUNCTIONS(u64)
         }                                                                                      \
     }
 
-/* Arguments, all Python ints (pointers as addresses; validated by the caller, prunex_hvd.native):
+/* Arguments, all Python ints (pointers as addresses; validated by the caller, prunex_hvd.engine.sparsity.native):
  *   compress(src, dst, elem_size, threads, n_rows, rows, r, bits, offs, n, c, vb)
  *   expand  (src, dst, elem_size, threads, n_rows, rows, r, bits, offs, n, c, vb)
  * rows = 0: every row kept (r = n_rows). */

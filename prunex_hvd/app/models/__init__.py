@@ -1,6 +1,6 @@
 """Model registry: built-in CIFAR ResNets by name, plus `torchvision:NAME` where torchvision imports.
 
-    from prunex_hvd import models
+    from prunex_hvd.app import models
     net = models.build("resnet18", num_classes=10, in_channels=3)
     models.default_image_size("resnet_small")   # 16
 """

@@ -29,7 +29,7 @@ def _info(args) -> int:
     import torch
 
     import prunex_hvd as px
-    from prunex_hvd.runtime import state
+    from prunex_hvd.dist.runtime import state
 
     topo = px.init(backend=args.backend, ranks_per_node=args.ranks_per_node)
     _, control = state()
@@ -63,7 +63,7 @@ def _info(args) -> int:
 
 
 def _train(args) -> int:
-    from prunex_hvd import train
+    from prunex_hvd.app import train
 
     fields = {f.name for f in train.dataclasses.fields(train.TrainConfig)}
     cfg = train.TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
@@ -87,7 +87,7 @@ def _train(args) -> int:
 def _compare(args) -> int:
     import os
 
-    from prunex_hvd import methods, report, train
+    from prunex_hvd.app import methods, report, train
 
     wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in wanted if m not in methods.METHODS]
@@ -116,14 +116,14 @@ def _compare(args) -> int:
 
 
 def _report(args) -> int:
-    from prunex_hvd import report
+    from prunex_hvd.app import report
 
     argv = list(args.runs) + (["--out", args.out] if args.out else []) + ["--mask-layers", str(args.mask_layers)]
     return report.main(argv)
 
 
 def _export(args) -> int:
-    from prunex_hvd import export
+    from prunex_hvd.app import export
 
     import torch
 
@@ -161,9 +161,9 @@ def _freeze_round(text: str):
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    from prunex_hvd import methods, models
-    from prunex_hvd.data import DATASETS
-    from prunex_hvd.train import TrainConfig as D
+    from prunex_hvd.app import methods, models
+    from prunex_hvd.app.data import DATASETS
+    from prunex_hvd.app.train import TrainConfig as D
 
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=D.model, help=f"{', '.join(models.NAMES)}, or torchvision:NAME (GPU hosts)")
@@ -319,7 +319,7 @@ def _let_the_others_say_it() -> None:
     other ranks (which raised the same error) print it too."""
     import time
 
-    from prunex_hvd import runtime
+    from prunex_hvd.dist import runtime
     if runtime.is_initialized() and runtime.topology().size > 1:
         time.sleep(2)
 

@@ -1,13 +1,13 @@
 """``prunex-hvd train``: the training application around a wrapped optimizer.
 
 One process per rank, under horovodrun, mpirun or torchrun. Each rank trains on its own disjoint shard;
-the method (``--method``, see :mod:`prunex_hvd.methods`) does the communication. Rank 0 shows progress and
+the method (``--method``, see :mod:`prunex_hvd.app.methods`) does the communication. Rank 0 shows progress and
 writes, in ``--out``:
 
 * ``metrics.jsonl``: one line per round (``"event": "round"``; per epoch for methods that talk every step)
   and a last ``"event": "final"`` line for the finalized model;
 * ``summary.json`` at the end, and ``final_model.pt`` (the finalized model's state dict);
-* ``checkpoint.json`` + ``ckpt/`` every ``checkpoint_every`` rounds (see :mod:`prunex_hvd.checkpoint`).
+* ``checkpoint.json`` + ``ckpt/`` every ``checkpoint_every`` rounds (see :mod:`prunex_hvd.app.checkpoint`).
 
 A resumed run continues exactly where the checkpoint was taken (same batches, same RNG, same optimizer and
 engine state), so on CPU it ends bit for bit where the uninterrupted run ends.
@@ -28,8 +28,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import checkpoint, methods, models, runtime
-from .agreement import call_agreed
+from ..dist import runtime
+from ..dist.agreement import call_agreed
+from . import checkpoint, methods, models
 from .data import ShardedLoader, load_dataset
 
 

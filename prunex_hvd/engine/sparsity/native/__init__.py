@@ -7,7 +7,7 @@ that built Python's extensions (``cc``, a second or so) into ``$PRUNEX_CACHE`` (
 ranks starting together share one build. Where it cannot be built (no compiler or headers) the library warns
 once and keeps ATen's paths: every result is the same, only slower. ``PRUNEX_HVD_NATIVE=0`` turns it off.
 
-    from prunex_hvd import native
+    from prunex_hvd.engine.sparsity import native
     native.available()     # True once built and loaded
     native.describe()      # 'avx2' / 'scalar', or why it is off
 """
@@ -110,5 +110,5 @@ def describe() -> str:
 
 
 def build() -> Optional[Path]:
-    """Build now (``python -m prunex_hvd.native``, run by ``make setup``) and return the library's path."""
+    """Build now (``python -m prunex_hvd.engine.sparsity.native``, run by ``make setup``) and return the library's path."""
     return _library_path() if module() is not None else None

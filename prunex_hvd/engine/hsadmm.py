@@ -16,12 +16,12 @@ Every rank of node i holds the same z_i, v_i and z; leaders (local rank 0) alone
 
 Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`HSADMM.add_proximal_grad`).
 
-Residuals count both tiers as consensus ADMM does (:mod:`prunex_hvd.admm`): s_intra = ρ1√(P·Σ_i‖Δz_i‖²),
+Residuals count both tiers as consensus ADMM does (:mod:`prunex_hvd.engine.admm`): s_intra = ρ1√(P·Σ_i‖Δz_i‖²),
 s_inter = ρ2√M‖Δz‖. With one node (or ``hierarchical=False``) there is no inter-node tier: z = z_i, r_inter is
 0 by construction, so ρ2 is not adapted and no inter residuals are reported.
 
 Precision: the consensus state and its arithmetic are float32 for float16/bfloat16 models
-(:func:`prunex_hvd.admm.state_dtype`); what travels (θ + u, the compact z) is in the model's dtype.
+(:func:`prunex_hvd.engine.admm.state_dtype`); what travels (θ + u, the compact z) is in the model's dtype.
 
 The consensus model (:meth:`HSADMM.finalize`, :meth:`HSADMM.consensus_weights`) is the last round's: z and the
 float buffers averaged in that round, the same on every rank whatever steps were taken since.
@@ -37,9 +37,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import admm, sparsity, watchdog
+from ..dist import watchdog
+from ..dist.comm.accounting import ledger as default_ledger, ring_cross_node_bytes
+from . import admm, sparsity
 from .buckets import BucketLayout
-from .comm.accounting import ledger as default_ledger, ring_cross_node_bytes
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def _ranks(ranks: List[int]) -> str:
 
 class HSADMM:
     """The consensus state of one rank and the round that updates it. Transport comes from ``groups``
-    (a :class:`prunex_hvd.comm.Groups`); the math from :mod:`prunex_hvd.admm` and :mod:`prunex_hvd.sparsity`."""
+    (a :class:`prunex_hvd.dist.comm.Groups`); the math from :mod:`prunex_hvd.engine.admm` and :mod:`prunex_hvd.engine.sparsity`."""
 
     def __init__(self, model: torch.nn.Module, topo, groups, specs: Dict[str, sparsity.StructureSpec],
                  rho1: float, rho2: float, rho_max: float, adaptive_rho: bool, weight_decay_z: float,
@@ -201,7 +202,7 @@ class HSADMM:
         """One round (collective). ``steps``: the optimizer steps this rank has taken, compared across ranks in
         the round's residual sum (ranks at different step counts raise on every rank instead of averaging models
         of different ages, or deadlocking at the end when one rank runs out of rounds first). Watched: a rank
-        that never arrives stops the job, named (:mod:`prunex_hvd.watchdog`)."""
+        that never arrives stops the job, named (:mod:`prunex_hvd.dist.watchdog`)."""
         if self.finalized:
             raise RuntimeError("consensus round after finalize(): finalize() ends training (the model now holds "
                                "the consensus z); to evaluate the consensus mid-run use consensus_weights()")

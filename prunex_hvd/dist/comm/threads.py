@@ -5,10 +5,10 @@
     topo, groups, ledger = cluster[r]
     groups.intra.allreduce_(t, "sum")
 
-Not a launcher backend (it is not in ``prunex_hvd.comm.BACKENDS``): it lets a test run the engine's real
+Not a launcher backend (it is not in ``prunex_hvd.dist.comm.BACKENDS``): it lets a test run the engine's real
 collectives over any M×P layout in one process, in seconds, with a debugger attached. The public methods,
-their validation and their byte accounting are :class:`~prunex_hvd.comm.base.Communicator`'s, so each rank's
-own :class:`~prunex_hvd.comm.accounting.CommLedger` reads as it would under mpirun with the same layout.
+their validation and their byte accounting are :class:`~prunex_hvd.dist.comm.base.Communicator`'s, so each rank's
+own :class:`~prunex_hvd.dist.comm.accounting.CommLedger` reads as it would under mpirun with the same layout.
 
 Each group is a rendezvous: a :class:`threading.Barrier` over its members and one slot per member. A
 collective deposits its tensor, waits, reads every slot into a result of its own (sums in group-rank order,
@@ -142,7 +142,7 @@ class ThreadRank:
 class ThreadCluster:
     """M nodes × P ranks in one process: ``cluster[r]`` is rank r's :class:`ThreadRank`. Each rank must run
     in a thread of its own (``tests/threaded.py``'s ``run_ranks``); groups are built like
-    :func:`prunex_hvd.comm.mpi.make_groups`: world, the node's ranks, the leaders (``None`` on non-leaders)."""
+    :func:`prunex_hvd.dist.comm.mpi.make_groups`: world, the node's ranks, the leaders (``None`` on non-leaders)."""
 
     def __init__(self, num_nodes: int, local_size: int, timeout: float = DEFAULT_TIMEOUT_S,
                  keep_records: bool = False):

@@ -10,12 +10,12 @@
 
 Backends, one module each: ``mpi`` (mpi4py), ``gloo`` and ``nccl`` (torch.distributed), ``horovod``
 (process sets); ``auto`` picks nccl for CUDA tensors, mpi for CPU tensors under MPI, gloo otherwise.
-For tests and debugging, :mod:`prunex_hvd.comm.threads` runs M×P ranks as threads of one process (not a
+For tests and debugging, :mod:`prunex_hvd.dist.comm.threads` runs M×P ranks as threads of one process (not a
 launch backend: ``thread_cluster`` builds its groups directly).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .accounting import CommLedger, CommRecord, ledger, reset, summary, tagged
 from .base import Communicator, Groups
@@ -27,6 +27,7 @@ class BackendUnavailable(RuntimeError):
     """The backend exists but cannot run in this job (no CUDA for nccl, no MPI launch for mpi, ...)."""
 
 _groups: Dict[str, Groups] = {}
+_job: Optional[Tuple[Any, Any, str]] = None   # (topology, control plane, default backend), bound by init()
 
 
 def check_backend_name(backend: str) -> None:
@@ -64,9 +65,10 @@ def groups(backend: Optional[str] = None) -> Groups:
     """The world / intra / inter groups of ``backend`` (default: the one given to ``init``).
 
     Built once per backend and cached. Building is collective: call it on every rank, in the same order."""
-    from .. import runtime
-    topo, control = runtime.state()
-    backend = backend or runtime.default_backend()
+    if _job is None:
+        raise RuntimeError("prunex_hvd is not initialised: call prunex_hvd.init() first")
+    topo, control, default = _job
+    backend = backend or default
     if backend not in _groups:
         _groups[backend] = _build(backend, topo, control)
     return _groups[backend]
@@ -95,9 +97,19 @@ def _build(backend: str, topo, control) -> Groups:
     return make_groups(topo, control)
 
 
-def _forget() -> None:
+def bind(topo, control, backend: str) -> None:
+    """The job :func:`groups` builds for (``prunex_hvd.init`` binds it; the runtime sits above this package)."""
+    global _job
     _groups.clear()
+    _job = (topo, control, backend)
 
 
-__all__ = ["BACKENDS", "BackendUnavailable", "CommLedger", "CommRecord", "Communicator", "Groups", "groups", "ledger", "reset",
-           "summary", "tagged", "unavailable_reason"]
+def unbind() -> None:
+    """Forget the job and its groups (``prunex_hvd.shutdown``)."""
+    global _job
+    _groups.clear()
+    _job = None
+
+
+__all__ = ["BACKENDS", "BackendUnavailable", "CommLedger", "CommRecord", "Communicator", "Groups", "bind", "groups", "ledger", "reset",
+           "summary", "tagged", "unavailable_reason", "unbind"]

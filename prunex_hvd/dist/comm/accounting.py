@@ -1,6 +1,6 @@
 """Byte and time accounting shared by every backend.
 
-Every collective that goes through a :class:`~prunex_hvd.comm.base.Communicator` leaves one record here:
+Every collective that goes through a :class:`~prunex_hvd.dist.comm.base.Communicator` leaves one record here:
 the op, the group's tier (``intra`` / ``inter`` / ``world``), the payload this rank put into the collective,
 the seconds it took, and the bytes this rank *sends across node boundaries* under a ring model of the
 collective's algorithm.

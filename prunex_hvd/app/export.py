@@ -3,7 +3,7 @@
 After ``finalize()`` the model is exactly structurally sparse but still full size: pruned filters and input
 channels are zeros that dense kernels multiply anyway. :func:`slim` removes them for real.
 
-    from prunex_hvd import export
+    from prunex_hvd.app import export
     small, report = export.slim(model, example_input)          # same outputs, fewer channels
     export.save(small, "model_slim.pt", example_input)          # plain torch: torch.load(p, weights_only=False)
     export.export_run("runs/NAME", out="runs/NAME/model_slim.pt")   # what `prunex-hvd export` runs

@@ -19,7 +19,7 @@ Written to ``DIR`` (default ``<parent of the first run>/report``), each only whe
 MB here is 2^20 bytes, as in the trainer's and ``prunex-hvd info``'s output. Figures share one colour per
 run; labels are the run folder names.
 
-    from prunex_hvd.report import make_report
+    from prunex_hvd.app.report import make_report
     out = make_report(["runs/A", "runs/B"])     # {"out_dir", "figures": {key: path}, "table": path}
 """
 from __future__ import annotations
@@ -156,7 +156,7 @@ def _single_keep(sparsity):
     """``("channel", 0.5)`` when ``sparsity`` is one ``kind:K`` spec, else None."""
     if not isinstance(sparsity, str):
         return None
-    from .sparsity import parse_spec
+    from ..engine.sparsity import parse_spec
     try:
         spec = parse_spec(sparsity)
     except (ValueError, TypeError):

@@ -55,7 +55,7 @@ _MEMBERS = tuple(Method.__annotations__) + tuple(n for n, v in vars(Method).item
 
 def _prunex(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, local_steps: int, sample_batch,
             hierarchical: bool = True):
-    from .optimizer import DistributedOptimizer
+    from ..optimizer import DistributedOptimizer
     return DistributedOptimizer(optimizer, model, sparsity=cfg.sparsity, local_steps=local_steps, rho1=cfg.rho1,
                                 rho2=cfg.rho2, rho_max=cfg.rho_max, adaptive_rho=cfg.adaptive_rho,
                                 weight_decay_z=cfg.weight_decay_z, freeze_round=cfg.freeze_round,
@@ -68,18 +68,18 @@ def _prunex_flat(optimizer, model, cfg, local_steps: int, sample_batch):
 
 
 def _dense(optimizer, model, cfg, local_steps: int, sample_batch):
-    from .baselines import dense
+    from ..baselines import dense
     return dense.DistributedOptimizer(optimizer, model, bucket_mb=cfg.bucket_mb, backend=cfg.backend)
 
 
 def _topk(optimizer, model, cfg, local_steps: int, sample_batch):
-    from .baselines import topk
+    from ..baselines import topk
     return topk.DistributedOptimizer(optimizer, model, ratio=cfg.topk_ratio, warmup_steps=cfg.topk_warmup_steps,
                                      bucket_mb=cfg.bucket_mb, backend=cfg.backend)
 
 
 def _pactrain(optimizer, model, cfg, local_steps: int, sample_batch):
-    from .baselines import pactrain
+    from ..baselines import pactrain
     return pactrain.DistributedOptimizer(optimizer, model, sparsity=cfg.sparsity, score=cfg.pactrain_score,
                                          patience=cfg.pactrain_patience, terngrad=cfg.terngrad,
                                          bucket_mb=cfg.bucket_mb, backend=cfg.backend, seed=cfg.seed,

@@ -1,0 +1,253 @@
+"""Sparsity specs: which structure each conv weight is held to, parsed and checked before training starts.
+
+``"filter:K"``, ``"channel:K"``, ``"shape:K"`` (K = fraction of groups KEPT), joined with ``"+"`` and
+applied filter → channel → shape; or ``{name_glob: spec}`` per layer (:func:`resolve_specs`). What each kind
+keeps, and how a spec becomes masks, is in :mod:`prunex_hvd.engine.sparsity` (the package docstring).
+Pure functions, no tensors moved, no communication.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+KINDS = ("filter", "channel", "shape")   # also the application order
+_ORDER = {k: i for i, k in enumerate(KINDS)}
+_DENSE_WORDS = ("", "dense")
+
+
+# --------------------------------------------------------------------------------------------- specs
+
+def _fmt_keep(keep: float) -> str:
+    # Short form when it round-trips ("0.5", "1"), exact repr otherwise, so str(spec) parses back equal.
+    s = f"{keep:.12g}"
+    return s if float(s) == keep else repr(keep)
+
+
+def _check_part(kind, keep) -> Tuple[str, float]:
+    if kind not in _ORDER:
+        raise ValueError(f"unknown structure kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+    try:
+        keep = float(keep)
+    except (TypeError, ValueError):
+        raise ValueError(f"{kind}: keep ratio {keep!r} is not a number") from None
+    if not (0.0 < keep <= 1.0):     # also rejects nan
+        raise ValueError(f"{kind}:{keep!r}: keep ratio must be in (0, 1]")
+    return kind, keep
+
+
+@dataclass(frozen=True)
+class StructureSpec:
+    """A structured-sparsity constraint: ``(kind, keep)`` pairs in application order; ``()`` is dense.
+
+    Built by :func:`parse_spec`; direct construction is validated and put in canonical order too, so two
+    specs meaning the same thing compare (and hash) equal.
+    """
+    parts: tuple = ()
+
+    def __post_init__(self):
+        parts = [_check_part(*p) for p in self.parts]
+        kinds = [k for k, _ in parts]
+        for k in KINDS:
+            if kinds.count(k) > 1:
+                raise ValueError(f"structure kind {k!r} given more than once")
+        object.__setattr__(self, "parts", tuple(sorted(parts, key=lambda p: _ORDER[p[0]])))
+
+    @property
+    def is_dense(self) -> bool:
+        """No constraint at all: every entry is kept."""
+        return not self.parts
+
+    def __str__(self) -> str:
+        if self.is_dense:
+            return "dense"
+        return "+".join(f"{k}:{_fmt_keep(v)}" for k, v in self.parts)
+
+
+DENSE = StructureSpec(())
+
+
+def parse_spec(spec) -> StructureSpec:
+    """``"filter:0.3+shape:0.8"`` → :class:`StructureSpec`, parts in the order filter → channel → shape.
+
+    ``None``, ``""`` and ``"dense"`` mean no constraint; a :class:`StructureSpec` is returned as is.
+    Whitespace and letter case are ignored. The number is the fraction of groups *kept*, in (0, 1].
+    """
+    if isinstance(spec, StructureSpec):
+        return spec
+    if spec is None:
+        return DENSE
+    if not isinstance(spec, str):
+        raise TypeError(f"sparsity spec must be a str like 'channel:0.5', a StructureSpec or None, "
+                        f"not {type(spec).__name__}")
+    text = "".join(spec.split()).lower()
+    if text in _DENSE_WORDS:
+        return DENSE
+    parts = []
+    for item in text.split("+"):
+        kind, sep, num = item.partition(":")
+        if kind not in _ORDER:
+            raise ValueError(f"sparsity spec {spec!r}: unknown structure kind {kind!r}; "
+                             f"valid kinds: {', '.join(KINDS)} (or 'dense')")
+        if not sep or not num:
+            raise ValueError(f"sparsity spec {spec!r}: {kind!r} needs a keep ratio, e.g. '{kind}:0.5'")
+        try:
+            keep = float(num)
+        except ValueError:
+            raise ValueError(f"sparsity spec {spec!r}: keep ratio {num!r} of {kind!r} is not a number") from None
+        if not (0.0 < keep <= 1.0):
+            raise ValueError(f"sparsity spec {spec!r}: {kind}:{num}: keep ratio must be in (0, 1]")
+        if any(k == kind for k, _ in parts):
+            raise ValueError(f"sparsity spec {spec!r}: structure kind {kind!r} given more than once")
+        parts.append((kind, keep))
+    return StructureSpec(tuple(parts))
+
+
+def resolve_specs(named_params, sparsity) -> dict:
+    """Which parameters get which structure: ``{name: StructureSpec}`` for the constrained conv weights only.
+
+    ``sparsity`` is ``None`` (nothing), one spec for every 4-D parameter, or a dict ``{glob: spec}`` whose
+    globs (:func:`fnmatch.fnmatchcase`, case-sensitive) match parameter names; for each 4-D parameter the
+    first matching glob in dict order decides, so ``{"conv1.*": "dense", "*": "channel:0.5"}`` spares
+    ``conv1``. A glob that matches nothing, or that asks for structure on non-conv parameters only, is an
+    error rather than a silent no-op: a typo there would otherwise train a dense model.
+    """
+    params = [(name, p) for name, p in named_params]
+    if sparsity is None:
+        return {}
+    if not isinstance(sparsity, Mapping):
+        spec = parse_spec(sparsity)
+        if spec.is_dense:
+            return {}
+        return {name: spec for name, p in params if p.dim() == 4}
+
+    rules = []
+    for glob, s in sparsity.items():
+        if not isinstance(glob, str):
+            raise TypeError(f"sparsity dict keys must be parameter-name globs (str), not {glob!r}")
+        try:
+            spec = parse_spec(s)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"sparsity[{glob!r}]: {e}") from None
+        matched = [(name, p) for name, p in params if fnmatch.fnmatchcase(name, glob)]
+        if not matched:
+            some = ", ".join(name for name, _ in params[:6]) + (", ..." if len(params) > 6 else "")
+            raise ValueError(f"sparsity glob {glob!r} matches no parameter (names look like: {some or 'none'})")
+        if not spec.is_dense and not any(p.dim() == 4 for _, p in matched):
+            name, p = matched[0]
+            raise ValueError(f"sparsity[{glob!r}] = {str(spec)!r}: {name!r} (shape {tuple(p.shape)}) is not a conv "
+                             f"weight (4-D); structured sparsity applies to conv weights only")
+        rules.append((glob, spec))
+
+    out = {}
+    for name, p in params:
+        if p.dim() != 4:
+            continue
+        for glob, spec in rules:
+            if fnmatch.fnmatchcase(name, glob):
+                if not spec.is_dense:
+                    out[name] = spec
+                break
+    return out
+
+
+def _suggest(overrides: dict, sparsity) -> dict:
+    """The user's ``sparsity`` with ``overrides`` ({name: spec}) put first, as a dict to paste back."""
+    rules = dict(sparsity) if isinstance(sparsity, Mapping) else {"*": str(parse_spec(sparsity))}
+    return {**overrides, **{g: (s if isinstance(s, str) else str(parse_spec(s))) for g, s in rules.items()
+                            if g not in overrides}}
+
+
+def check_layer_types(model: torch.nn.Module, specs: Mapping[str, "StructureSpec"], sparsity=None) -> None:
+    """``ValueError`` when a structured weight belongs to a layer whose weight the GEMM view does not fit.
+
+    * ``ConvTranspose2d``: its weight is ``(C_in, C_out/groups, KH, KW)``, so 'filter' would drop its input
+      channels and 'channel' its outputs. It must stay dense.
+    * a grouped ``Conv2d`` (``groups > 1``): dim 1 holds ``C_in/groups`` channels of EACH group, so 'channel c'
+      or a 'shape' column would be dropped at the same place in every group at once, not as the user means
+      it. Dropping output filters is valid there: 'filter:K' is accepted. A depthwise conv (one input channel
+      per filter) passes with 'channel:K' too: that stage can drop nothing there (:func:`stages_removing_nothing`
+      reports it).
+
+    ``sparsity`` (the user's argument, optional) only shapes the message: it shows the dict to write instead.
+    """
+    problems, overrides = [], {}
+    for module_name, module in model.named_modules():
+        name = f"{module_name}.weight" if module_name else "weight"
+        spec = specs.get(name)
+        if spec is None or getattr(module, "weight", None) is None:
+            continue
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.modules.conv._ConvTransposeNd):
+            problems.append(f"{name!r} belongs to a {kind}, whose weight is (C_in, C_out/groups, KH, KW): "
+                            f"'filter' would drop its input channels and 'channel' its outputs")
+            overrides[name] = "dense"
+        elif isinstance(module, torch.nn.Conv2d) and module.groups > 1:
+            per_group = module.weight.shape[1]
+            ksize = module.weight.shape[2] * module.weight.shape[3]
+            bad = [k for k, _ in spec.parts if (k == "channel" and per_group > 1) or (k == "shape" and
+                                                                                     per_group * ksize > 1)]
+            if bad:
+                problems.append(f"{name!r} belongs to a grouped {kind} (groups={module.groups}, {per_group} input "
+                                f"channels per group): {' and '.join(repr(k) for k in bad)} would drop the same "
+                                f"position in every group at once")
+                keeps = dict(spec.parts)
+                overrides[name] = f"filter:{_fmt_keep(keeps.get('filter', keeps[bad[0]]))}"
+    if problems:
+        advice = "leave it dense" if len(problems) == 1 else "leave them dense"
+        if any(s.startswith("filter") for s in overrides.values()):
+            advice += " (a grouped conv may lose whole output filters)"
+        instead = _suggest(overrides, sparsity if sparsity is not None else "dense")
+        raise ValueError("structured sparsity does not fit these layers: " + "; ".join(problems) +
+                         f". Instead, {advice}, e.g. sparsity={instead!r}")
+
+
+def stages_removing_nothing(shapes: Mapping[str, Tuple[int, ...]],
+                            specs: Mapping[str, "StructureSpec"]) -> dict:
+    """``{name: (kind, ...)}``: the stages of each layer's spec that can remove nothing from its weight, whatever
+    its values: a keep ratio below 1 whose kept count is still every group (``channel:K`` on a stem that reads
+    one input channel, or on a depthwise conv; ``filter:K`` on a one-filter layer; ``shape:K`` keeping at least
+    the columns the channel stage left). A stage written with keep 1 asks for nothing and is not listed.
+    ``shapes``: ``{name: weight shape}`` (tensors work too)."""
+    out = {}
+    for name, spec in specs.items():
+        spec = parse_spec(spec)
+        shape = tuple(getattr(shapes[name], "shape", shapes[name]))
+        if len(shape) != 4:
+            continue
+        c_out, c_in = shape[0], shape[1]
+        ksize = shape[2] * shape[3]
+        columns_left = c_in * ksize
+        idle = []
+        for kind, keep in spec.parts:
+            if kind == "filter":
+                removes = keep_count(keep, c_out) < c_out
+            elif kind == "channel":
+                kept = keep_count(keep, c_in)
+                removes, columns_left = kept < c_in, kept * ksize
+            else:   # shape ranks all C_in*KH*KW columns, the channel stage's zeros among them
+                removes = keep_count(keep, c_in * ksize) < columns_left
+            if not removes and keep < 1.0:
+                idle.append(kind)
+        if idle:
+            out[name] = tuple(idle)
+    return out
+
+
+def keep_count(keep: float, n: int) -> int:
+    """How many of ``n`` groups a keep ratio keeps: ``ceil(keep*n)`` clamped to ``[1, n]``.
+
+    ``keep*n`` in floating point can land a hair above an integer (``0.1+0.2`` is not ``0.3``); the small
+    tolerance stops that from keeping one extra group.
+    """
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"keep_count: need at least one group, got n={n}")
+    if not (0.0 < keep <= 1.0):
+        raise ValueError(f"keep ratio must be in (0, 1], got {keep!r}")
+    k = math.ceil(keep * n - max(1e-9, n * 1e-12))
+    return min(max(k, 1), n)
