@@ -11,6 +11,7 @@ from .dist import comm
 from .dist.runtime import init, is_initialized, shutdown, topology
 from .dist.topology import Topology, TopologyError
 from .engine import sparsity
+from .engine.config import ConsensusConfig
 from .optimizer import DistributedOptimizer
 
 # what a user wants in a log (freezing, ρ changes, refused rounds), on rank 0; silent unless the application
@@ -18,5 +19,5 @@ from .optimizer import DistributedOptimizer
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
-__all__ = ["DistributedOptimizer", "Topology", "TopologyError", "comm", "init", "is_initialized", "shutdown",
-           "sparsity", "topology"]
+__all__ = ["ConsensusConfig", "DistributedOptimizer", "Topology", "TopologyError", "comm", "init", "is_initialized",
+           "shutdown", "sparsity", "topology"]

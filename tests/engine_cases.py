@@ -117,7 +117,8 @@ def check_round(rnd, before, after, node_ranks, eng):
     states before it; ``eng`` (any rank's engine) gives the settings. Returns what the round sent, for
     :func:`check_results`: whether the masks were frozen before it, and the compact (rows, cols) per layer."""
     want = reference_round(before, node_ranks, {e.name: e.spec for e in eng.structured},
-                           weight_decay_z=eng.weight_decay_z, rho_max=eng.rho_max, adaptive=eng.adaptive_rho,
+                           weight_decay_z=eng.config.weight_decay_z, rho_max=eng.config.rho_max,
+                           adaptive=eng.config.adaptive_rho,
                            freezes=after[0]["frozen"] and not before[0]["frozen"],
                            couplings=eng.couplings, streams=eng.streams)
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}

@@ -11,11 +11,10 @@ import json
 import pytest
 
 import engine_cases as cases
-from prunex_hvd.engine.sparsity import native
 from prunex_hvd.dist.comm.threads import thread_cluster
+from prunex_hvd.engine.config import ConsensusConfig, Structure
 from prunex_hvd.engine.hsadmm import HSADMM
-from prunex_hvd.optimizer import _couplings
-from prunex_hvd.engine.sparsity import resolve_specs
+from prunex_hvd.engine.sparsity import native
 from threaded import run_ranks
 
 LAYOUTS = [(1, 1), (1, 3), (3, 1), (2, 2), (2, 3)]
@@ -34,15 +33,14 @@ def train_on_threads(num_nodes, local_size, kind, sparsity, coupled):
     """Every rank's snapshots, final model and result after ``cases.ROUNDS`` rounds on the thread cluster."""
     size = num_nodes * local_size
     models = [cases.make_model(kind, r) for r in range(size)]   # here: torch's global RNG is not thread-safe
-    specs = resolve_specs(models[0].named_parameters(), sparsity)
-    couplings, streams = _couplings(models[0], specs, coupled) if coupled else ({}, [])
+    config = ConsensusConfig(sparsity=sparsity, coupled=coupled, **cases.SETTINGS)
+    structure = Structure.resolve(models[0], config)
     native.module()   # load the shrink kernel before the ranks race to its first use
     cluster = thread_cluster(num_nodes, local_size, keep_records=True)
 
     def rank_run(rank):
         model = models[rank.topo.rank]
-        eng = HSADMM(model, rank.topo, rank.groups, specs, ledger=rank.ledger, couplings=couplings,
-                     streams=streams, **cases.SETTINGS)
+        eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
         opt = cases.sgd(model)
 
         def step():   # what the wrapped optimizer's step() does
@@ -63,7 +61,7 @@ def train_on_threads(num_nodes, local_size, kind, sparsity, coupled):
                                    rank.ledger.summary(by_op=True))
         return {"engine": eng, "start": start, "before": befores, "after": afters,
                 "final": cases.model_state(model), "result": json.loads(json.dumps(result))}   # as a worker sends it
-    return cluster, run_ranks(num_nodes, local_size, rank_run, cluster=cluster), specs
+    return cluster, run_ranks(num_nodes, local_size, rank_run, cluster=cluster), structure.specs
 
 
 @pytest.mark.parametrize("layout,case", RUNS, ids=[f"{m}x{p}-{case}" for (m, p), case in RUNS])

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
 @pytest.mark.parametrize("name", list(methods.METHODS))
 def test_every_method_satisfies_the_contract(name):
     model = toy_cnn()
-    opt = methods.wrap(name, torch.optim.SGD(model.parameters(), lr=0.05), model, TrainConfig(freeze_round=None), 2)
+    opt = methods.wrap(name, torch.optim.SGD(model.parameters(), lr=0.05), model,
+                       TrainConfig.from_flat(freeze_round=None, local_steps=2))
     assert isinstance(opt, methods.Method)
     assert opt.records_per_epoch == (name not in ("prunex", "prunex-flat"))
     x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
@@ -35,4 +36,4 @@ def test_a_method_without_the_contract_is_refused(monkeypatch):
     monkeypatch.setitem(methods.METHODS, "bare", lambda optimizer, *args: optimizer)
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError, match=r"method 'bare' does not offer what the trainer needs: \['records_per_epoch'"):
-        methods.wrap("bare", torch.optim.SGD(model.parameters(), lr=0.1), model, TrainConfig(), 1)
+        methods.wrap("bare", torch.optim.SGD(model.parameters(), lr=0.1), model, TrainConfig())

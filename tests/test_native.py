@@ -1,5 +1,6 @@
-"""The native column kernel (prunex_hvd/engine/sparsity/native/maskcopy.c) against ATen's paths: the same blocks and tensors
-for every shape, row subset, dtype and thread count, never a write outside its output, and a clean fallback."""
+"""The native column kernel (prunex_hvd/engine/sparsity/native/maskcopy.c) against ATen's paths: the same blocks
+and tensors for every shape, row subset, dtype and thread count, never a write outside its output, and a clean
+fallback."""
 import copy
 import os
 import shutil

@@ -219,8 +219,9 @@ def test_methods_registry_builds_pactrain(single_process):
     from prunex_hvd.app import methods
     from prunex_hvd.app.train import TrainConfig
     model = toy_cnn()
-    cfg = TrainConfig(sparsity="channel:0.5", pactrain_score="grasp", pactrain_patience=1, terngrad=True, seed=4)
-    opt = methods.wrap("pactrain", torch.optim.SGD(model.parameters(), lr=0.05), model, cfg, 1,
+    cfg = TrainConfig.from_flat(sparsity="channel:0.5", pactrain_score="grasp", pactrain_patience=1, terngrad=True,
+                                seed=4)
+    opt = methods.wrap("pactrain", torch.optim.SGD(model.parameters(), lr=0.05), model, cfg,
                        sample_batch=lambda: task(n=8))
     train(model, opt, 3)
     s = opt.stats()

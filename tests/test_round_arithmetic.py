@@ -10,8 +10,8 @@ import torch.nn as nn
 
 from engine_cases import SETTINGS as ENGINE_SETTINGS, make_model, model_state, rank_batch, sgd, snapshot
 from prunex_hvd.engine import admm
+from prunex_hvd.engine.config import ConsensusConfig
 from prunex_hvd.engine.hsadmm import HSADMM
-from prunex_hvd.engine.sparsity import resolve_specs
 from reference import reference_round
 from threaded import run_ranks
 
@@ -22,8 +22,8 @@ SETTINGS = dict(ENGINE_SETTINGS, freeze_round=None, freeze_patience=100)
 
 def engine(rank, model, sparsity="channel:0.5", **overrides):
     topo, groups, ledger = rank
-    return HSADMM(model, topo, groups, resolve_specs(model.named_parameters(), sparsity),
-                  **dict(SETTINGS, **overrides), ledger=ledger)
+    return HSADMM(model, topo, groups, ConsensusConfig(sparsity=sparsity, **dict(SETTINGS, **overrides)),
+                  ledger=ledger)
 
 
 def train_steps(eng, model, opt, x, y, steps):

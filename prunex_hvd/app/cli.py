@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -65,13 +66,7 @@ def _info(args) -> int:
 def _train(args) -> int:
     from prunex_hvd.app import train
 
-    fields = {f.name for f in train.dataclasses.fields(train.TrainConfig)}
-    cfg = train.TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    if cfg.sparsity.lstrip().startswith("{"):
-        try:
-            cfg.sparsity = json.loads(cfg.sparsity)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--sparsity looks like JSON but does not parse: {exc}") from None
+    cfg = _train_config(args)
     summary = train.train(cfg)
     if "stopped_after_round" in summary or train.runtime.topology().rank != 0:
         return 0
@@ -94,14 +89,11 @@ def _compare(args) -> int:
     if unknown or not wanted:
         raise ValueError(f"--methods takes a comma-separated list of {', '.join(methods.METHODS)}; "
                          f"got {args.methods!r}")
-    fields = {f.name for f in train.dataclasses.fields(train.TrainConfig)}
-    base = {k: v for k, v in vars(args).items() if k in fields}
-    if isinstance(base["sparsity"], str) and base["sparsity"].lstrip().startswith("{"):
-        base["sparsity"] = json.loads(base["sparsity"])
+    base = _train_config(args)
     dirs = []
     for method in wanted:   # one after the other, in the same processes, same data, sampler and counters
         out = os.path.join(args.out, method)
-        train.train(train.TrainConfig(**dict(base, method=method, out=out)))
+        train.train(train.dataclasses.replace(base, method=method, out=out))
         dirs.append(out)
     if train.runtime.topology().rank != 0:
         return 0
@@ -149,6 +141,26 @@ def _export(args) -> int:
     return 0
 
 
+def _train_config(args):
+    """The flags' values as a TrainConfig (the consensus's knobs go into its ``consensus``)."""
+    from prunex_hvd.app.train import TrainConfig
+
+    flat = {k: v for k, v in vars(args).items() if k in _flat_names()}
+    if isinstance(flat.get("sparsity"), str) and flat["sparsity"].lstrip().startswith("{"):
+        try:   # here, not in argparse: an error every rank prints, the same way as any other
+            flat["sparsity"] = json.loads(flat["sparsity"])
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--sparsity looks like JSON but does not parse: {exc}") from None
+    return TrainConfig.from_flat(**flat)
+
+
+def _flat_names():
+    from prunex_hvd.app.train import TrainConfig
+    from prunex_hvd.engine.config import ConsensusConfig
+
+    return {f.name for f in dataclasses.fields(TrainConfig)} | set(ConsensusConfig.knob_names())
+
+
 def _freeze_round(text: str):
     if text.lower() in ("none", ""):
         return None
@@ -171,11 +183,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="digits: embedded, no download; cifar10: needs --data-dir; synthetic: for benchmarks")
     g.add_argument("--data-dir", default=D.data_dir, help="folder holding cifar-10-batches-py/")
     g.add_argument("--image-size", type=int, default=None, help="input side in pixels (default: the model's)")
-    g = p.add_argument_group("schedule")
+    g = schedule = p.add_argument_group("schedule")
     g.add_argument("--method", default=D.method, choices=list(methods.METHODS))
     g.add_argument("--epochs", type=float, default=D.epochs)
     g.add_argument("--local-epochs", type=float, default=D.local_epochs, help="epochs of local steps per round")
-    g.add_argument("--local-steps", type=int, default=None, help="steps per round (overrides --local-epochs)")
     g.add_argument("--batch-size", type=int, default=D.batch_size, help="per rank")
     g.add_argument("--test-batch-size", type=int, default=D.test_batch_size)
     g.add_argument("--lr", type=float, default=D.lr,
@@ -189,27 +200,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=D.seed)
     g = p.add_argument_group("H-SADMM (prunex, prunex-flat); defaults are a recipe measured to converge in "
                              "tens of rounds, the paper's are rho1=1.5e-3 rho2=1.5e-4")
-    g.add_argument("--sparsity", default=D.sparsity,
-                   help="channel:0.5, filter:0.5+channel:0.5, or JSON {glob: spec}; the number is the KEPT fraction")
-    g.add_argument("--rho1", type=float, default=D.rho1)
-    g.add_argument("--rho2", type=float, default=D.rho2)
-    g.add_argument("--rho-max", type=float, default=D.rho_max)
-    g.add_argument("--no-adaptive-rho", dest="adaptive_rho", action="store_false")
-    g.add_argument("--weight-decay-z", type=float, default=D.weight_decay_z)
-    g.add_argument("--freeze-round", type=_freeze_round, default=D.freeze_round,
-                   help="round after which masks freeze: N, auto (a third of the planned rounds) or none "
-                        "(only --freeze-patience)")
-    g.add_argument("--freeze-patience", type=int, default=D.freeze_patience)
-    g.add_argument("--no-masked-retrain", dest="masked_retrain", action="store_false",
-                   help="after freezing, let θ leave the frozen structure (only z is masked)")
-    c = g.add_mutually_exclusive_group()
-    c.add_argument("--coupled", action="store_true",
-                   help="channel pruning with dependencies: a conv's dropped input channels also drop the filters "
-                        "(and BN channels) that produce them and nothing else reads; less traffic, smaller model")
-    c.add_argument("--coupled-streams", dest="coupled", action="store_const", const="streams",
-                   help="--coupled, and every residual stream one channel group: all convs reading and writing it "
-                        "drop the same channels (readers' channel:K), so export removes all of them")
-    g.add_argument("--bucket-mb", type=float, default=D.bucket_mb)
+    _consensus_flags({"consensus": g, "schedule": schedule})
     g = p.add_argument_group("baselines (--method dense | topk | pactrain | prunex-flat)")
     g.add_argument("--topk-ratio", type=float, default=D.topk_ratio, help="topk: fraction of each layer sent")
     g.add_argument("--topk-warmup-steps", type=int, default=D.topk_warmup_steps, help="topk: dense steps first")
@@ -219,7 +210,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="pactrain: steps the mask must hold before gradients travel compacted")
     g.add_argument("--terngrad", action="store_true", help="pactrain: ternary gradients with a shared scale")
     g = p.add_argument_group("job")
-    g.add_argument("--backend", default=D.backend, help="auto, mpi, gloo, nccl or horovod")
+    _consensus_flags({"job": g})
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="emulate nodes: node = rank // N (same as env PRUNEX_RANKS_PER_NODE)")
     g.add_argument("--timeout", type=float, default=None,
@@ -237,6 +228,50 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=D.device, choices=("auto", "cpu", "cuda"),
                    help="auto: the GPU of this local rank when CUDA is available, else cpu")
     g.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+# how the command line shows the consensus's knobs where a plain --name VALUE (or --no-name for a switch that
+# is on) would not do; the help is the knob's own (ConsensusConfig) unless given here
+_FLAGS = {
+    "local_steps": dict(group="schedule", default=None, help="steps per round (overrides --local-epochs)"),
+    "freeze_round": dict(type=_freeze_round, default="auto",
+                         help="round after which masks freeze: N, auto (a third of the planned rounds) or none "
+                              "(only --freeze-patience)"),
+    "adaptive_rho": dict(help="keep every rho fixed (no balancing of primal and dual residuals per layer)"),
+    "masked_retrain": dict(help="after freezing, let θ leave the frozen structure (only z is masked)"),
+    "backend": dict(group="job"),
+    "hierarchical": None,   # the method decides: prunex or prunex-flat
+}
+
+
+def _consensus_flags(groups: dict) -> None:
+    """The one place the consensus's knobs (:class:`ConsensusConfig`'s fields) become flags, with the
+    trainer's recipe (``train.RECIPE``) as defaults; each lands in ``groups[its group]`` (default
+    ``"consensus"``); knobs whose group is not in ``groups`` are left to another call."""
+    from prunex_hvd.app.train import RECIPE
+    from prunex_hvd.engine.config import ConsensusConfig
+
+    for f in dataclasses.fields(ConsensusConfig):
+        special = _FLAGS.get(f.name, {})
+        if special is None or special.get("group", "consensus") not in groups:
+            continue
+        g = groups[special.get("group", "consensus")]
+        flag, default, text = "--" + f.name.replace("_", "-"), getattr(RECIPE, f.name), f.metadata["help"]
+        if f.name == "coupled":
+            c = g.add_mutually_exclusive_group()
+            c.add_argument("--coupled", action="store_true",
+                           help="channel pruning with dependencies: a conv's dropped input channels also drop the "
+                                "filters (and BN channels) that produce them and nothing else reads; less traffic, "
+                                "smaller model")
+            c.add_argument("--coupled-streams", dest="coupled", action="store_const", const="streams",
+                           help="--coupled, and every residual stream one channel group: all convs reading and "
+                                "writing it drop the same channels (readers' channel:K), so export removes all of "
+                                "them")
+        elif default is True:
+            g.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=special.get("help", text))
+        else:
+            kind = special.get("type", {"float": float, "int": int}.get(f.type))   # annotations are strings
+            g.add_argument(flag, type=kind, default=special.get("default", default), help=special.get("help", text))
 
 
 def build_parser() -> argparse.ArgumentParser:

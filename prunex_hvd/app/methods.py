@@ -53,36 +53,34 @@ _MEMBERS = tuple(Method.__annotations__) + tuple(n for n, v in vars(Method).item
                                                  if callable(v) and not n.startswith("_"))
 
 
-def _prunex(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, local_steps: int, sample_batch,
-            hierarchical: bool = True):
+def _prunex(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, sample_batch, hierarchical: bool = True):
     from ..optimizer import DistributedOptimizer
-    return DistributedOptimizer(optimizer, model, sparsity=cfg.sparsity, local_steps=local_steps, rho1=cfg.rho1,
-                                rho2=cfg.rho2, rho_max=cfg.rho_max, adaptive_rho=cfg.adaptive_rho,
-                                weight_decay_z=cfg.weight_decay_z, freeze_round=cfg.freeze_round,
-                                freeze_patience=cfg.freeze_patience, bucket_mb=cfg.bucket_mb, backend=cfg.backend,
-                                masked_retrain=cfg.masked_retrain, coupled=cfg.coupled, hierarchical=hierarchical)
+    return DistributedOptimizer(optimizer, model, cfg.consensus, hierarchical=hierarchical)
 
 
-def _prunex_flat(optimizer, model, cfg, local_steps: int, sample_batch):
-    return _prunex(optimizer, model, cfg, local_steps, sample_batch, hierarchical=False)
+def _prunex_flat(optimizer, model, cfg, sample_batch):
+    return _prunex(optimizer, model, cfg, sample_batch, hierarchical=False)
 
 
-def _dense(optimizer, model, cfg, local_steps: int, sample_batch):
+def _dense(optimizer, model, cfg, sample_batch):
     from ..baselines import dense
-    return dense.DistributedOptimizer(optimizer, model, bucket_mb=cfg.bucket_mb, backend=cfg.backend)
+    c = cfg.consensus
+    return dense.DistributedOptimizer(optimizer, model, bucket_mb=c.bucket_mb, backend=c.backend)
 
 
-def _topk(optimizer, model, cfg, local_steps: int, sample_batch):
+def _topk(optimizer, model, cfg, sample_batch):
     from ..baselines import topk
+    c = cfg.consensus
     return topk.DistributedOptimizer(optimizer, model, ratio=cfg.topk_ratio, warmup_steps=cfg.topk_warmup_steps,
-                                     bucket_mb=cfg.bucket_mb, backend=cfg.backend)
+                                     bucket_mb=c.bucket_mb, backend=c.backend)
 
 
-def _pactrain(optimizer, model, cfg, local_steps: int, sample_batch):
+def _pactrain(optimizer, model, cfg, sample_batch):
     from ..baselines import pactrain
-    return pactrain.DistributedOptimizer(optimizer, model, sparsity=cfg.sparsity, score=cfg.pactrain_score,
+    c = cfg.consensus
+    return pactrain.DistributedOptimizer(optimizer, model, sparsity=c.sparsity, score=cfg.pactrain_score,
                                          patience=cfg.pactrain_patience, terngrad=cfg.terngrad,
-                                         bucket_mb=cfg.bucket_mb, backend=cfg.backend, seed=cfg.seed,
+                                         bucket_mb=c.bucket_mb, backend=c.backend, seed=cfg.seed,
                                          grasp_batch=sample_batch() if cfg.pactrain_score == "grasp" else None)
 
 
@@ -90,13 +88,16 @@ METHODS: Dict[str, Callable] = {"dense": _dense, "topk": _topk, "pactrain": _pac
                                 "prunex": _prunex}
 
 
-def wrap(name: str, optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, local_steps: int,
-         sample_batch: Callable = None):
+def wrap(name: str, optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, sample_batch: Callable = None):
     """Wrap ``optimizer`` for method ``name`` (collective: every rank calls it with the same arguments).
-    ``sample_batch()`` gives one training batch (x, y), for methods that score weights on data (GraSP)."""
+
+    Arguments:
+        cfg: the run's :class:`~prunex_hvd.app.train.TrainConfig`, its schedule resolved (the consensus's
+            ``local_steps`` and ``freeze_round`` in steps and rounds: ``TrainConfig.resolved``).
+        sample_batch: gives one training batch (x, y), for methods that score weights on data (GraSP)."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    opt = METHODS[name](optimizer, model, cfg, local_steps, sample_batch)
+    opt = METHODS[name](optimizer, model, cfg, sample_batch)
     if not isinstance(opt, Method):   # the same on every rank: a programming error, not a user's
         missing = [a for a in _MEMBERS if not hasattr(opt, a)]
         raise TypeError(f"method {name!r} does not offer what the trainer needs: {missing}")

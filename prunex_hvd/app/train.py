@@ -14,6 +14,7 @@ engine state), so on CPU it ends bit for bit where the uninterrupted run ends.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -30,22 +31,36 @@ import torch.nn.functional as F
 
 from ..dist import runtime
 from ..dist.agreement import call_agreed
+from ..engine.config import ConsensusConfig
 from . import checkpoint, methods, models
 from .data import ShardedLoader, load_dataset
 
 
+# the paper's rho1 = 1.5e-3 / rho2 = 1.5e-4 need its ~60 rounds to couple the nodes; these reach consensus
+# within a few rounds (measured on digits, 2×2 ranks)
+RECIPE = ConsensusConfig(rho1=0.01, rho2=0.01)
+AUTO_FREEZE = 1 / 3   # --freeze-round auto: masks move for the first third, the rest retrains the structure
+
+
 @dataclass
 class TrainConfig:
-    """Every knob of a run; the command line maps one flag to each field."""
+    """Every knob of a run: the consensus's in ``consensus`` (:class:`ConsensusConfig`, the recipe
+    :data:`RECIPE` by default), the application's here. The trainer's schedule is in epochs, so two of the
+    consensus's knobs are set from it unless asked for: ``local_steps`` from ``local_epochs``, ``freeze_round``
+    from ``freeze_fraction``; with ``None`` there the consensus's own value counts.
+
+    :meth:`from_flat` builds one from the command line's flat names (``--rho1``, ``--freeze-round auto``, ...)
+    and :meth:`as_dict` writes it back flat."""
     model: str = "resnet18"
     dataset: str = "cifar10"
     data_dir: Optional[str] = None
     image_size: Optional[int] = None
     method: str = "prunex"
-    sparsity: Any = "channel:0.5"
+    consensus: ConsensusConfig = field(default_factory=lambda: RECIPE)
     epochs: float = 10
-    local_epochs: float = 1.0
-    local_steps: Optional[int] = None          # overrides local_epochs when set
+    local_epochs: Optional[float] = 1.0        # epochs of local steps per round (None: consensus.local_steps)
+    freeze_fraction: Optional[float] = AUTO_FREEZE   # masks freeze after this fraction of the planned rounds
+                                                     # (None: consensus.freeze_round, or its patience)
     batch_size: int = 128
     test_batch_size: int = 256
     lr: float = 0.05
@@ -54,23 +69,11 @@ class TrainConfig:
     nesterov: bool = False
     lr_schedule: str = "cosine"                # cosine | constant
     warmup_epochs: float = 0.0
-    rho1: float = 0.01        # the paper's 1.5e-3 / 1.5e-4 need its ~60 rounds to couple the nodes;
-    rho2: float = 0.01        # these reach consensus within a few rounds (measured on digits, 2×2 ranks)
-    rho_max: float = 10.0
-    adaptive_rho: bool = True
-    weight_decay_z: float = 0.0
-    freeze_round: Any = "auto"                 # int, "auto" (a third of the planned rounds) or None (patience)
-    freeze_patience: int = 3
-    masked_retrain: bool = True
-    coupled: Any = False                       # True: a conv's input channels with the filters producing them;
-                                               # "streams": also one channel group per residual stream
     topk_ratio: float = 0.01                   # topk: fraction of each layer's gradient sent per step
     topk_warmup_steps: int = 0                 # topk: dense steps first
     pactrain_score: str = "magnitude"          # pactrain: magnitude | grasp
     pactrain_patience: int = 3                 # pactrain: steps the mask must hold before compact allreduce
     terngrad: bool = False                     # pactrain: ternary gradients with a shared scale
-    bucket_mb: float = 32
-    backend: str = "auto"
     ranks_per_node: Optional[int] = None
     timeout: Optional[float] = None            # s a collective may wait before the job stops naming who is missing
     seed: int = 0
@@ -84,38 +87,67 @@ class TrainConfig:
     progress: bool = True
     extra: Dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_flat(cls, **flat) -> "TrainConfig":
+        """From flat names, the command line's: the consensus's knobs go into ``consensus`` (on :data:`RECIPE`);
+        ``local_steps=N`` asks for N steps a round instead of ``local_epochs``; ``freeze_round`` is ``"auto"``
+        (:data:`AUTO_FREEZE` of the planned rounds), N or None (only the patience)."""
+        knobs = {k: flat.pop(k) for k in ConsensusConfig.knob_names() if k in flat}
+        if knobs.get("local_steps", 0) is None:
+            del knobs["local_steps"]   # not asked for: local_epochs decides
+        elif "local_steps" in knobs:
+            flat["local_epochs"] = None
+        if knobs.get("freeze_round") == "auto":
+            del knobs["freeze_round"]
+            flat["freeze_fraction"] = AUTO_FREEZE
+        elif "freeze_round" in knobs:
+            flat["freeze_fraction"] = None
+        return cls(consensus=ConsensusConfig.from_knobs(knobs, base=RECIPE, who="TrainConfig"), **flat)
+
+    def as_dict(self) -> Dict[str, Any]:
+        """Flat, as :meth:`from_flat` reads it (what ``config.json`` and the summary hold)."""
+        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "consensus"}
+        return dict(out, **copy.deepcopy(self.consensus.knobs()))
+
+    def resolved(self, steps_per_epoch: int) -> "TrainConfig":
+        """The consensus with its schedule set from epochs: ``local_steps`` from ``local_epochs`` and
+        ``freeze_round`` from ``freeze_fraction`` of the planned rounds (where they are not None)."""
+        c = self.consensus
+        local_steps = c.local_steps if self.local_epochs is None else max(1, round(self.local_epochs * steps_per_epoch))
+        total_steps = max(1, round(self.epochs * steps_per_epoch))
+        freeze_round = c.freeze_round if self.freeze_fraction is None else \
+            max(1, math.floor(math.ceil(total_steps / local_steps) * self.freeze_fraction + 1e-9))
+        return dataclasses.replace(self, consensus=dataclasses.replace(c, local_steps=local_steps,
+                                                                      freeze_round=freeze_round))
+
     def validate(self) -> None:
-        for name in ("epochs", "local_epochs", "lr"):
+        for name in ("epochs", "lr"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        for name in ("local_epochs", "freeze_fraction"):
+            v = getattr(self, name)
+            if not (v is None or (isinstance(v, (int, float)) and math.isfinite(v) and v > 0)):
+                raise ValueError(f"{name} must be None or a finite number > 0, got {v!r}")
+        if not isinstance(self.consensus, ConsensusConfig):
+            raise ValueError(f"consensus must be a ConsensusConfig, got {type(self.consensus).__name__}")
         for name in ("batch_size", "test_batch_size", "eval_every"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.local_steps is not None and self.local_steps < 1:
-            raise ValueError(f"local_steps must be >= 1, got {self.local_steps!r}")
         if self.lr_schedule not in ("cosine", "constant"):
             raise ValueError(f"lr_schedule must be 'cosine' or 'constant', got {self.lr_schedule!r}")
         if self.momentum < 0 or self.weight_decay < 0 or self.warmup_epochs < 0:
             raise ValueError("momentum, weight_decay and warmup_epochs must be >= 0")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every!r}")
-        fr = self.freeze_round
-        if not (fr in (None, "auto") or (isinstance(fr, int) and not isinstance(fr, bool) and fr >= 1)):
-            raise ValueError(f"freeze_round must be an integer >= 1, 'auto' or None, got {self.freeze_round!r}")
         if self.stop_after_rounds is not None and self.stop_after_rounds < 1:
             raise ValueError(f"stop_after_rounds must be >= 1, got {self.stop_after_rounds!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.method not in methods.METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(methods.METHODS)}")
-        if self.coupled not in (False, True, "pairs", "streams"):
-            raise ValueError(f"coupled must be False, True (= 'pairs') or 'streams', got {self.coupled!r}")
-        if self.coupled and self.method not in ("prunex", "prunex-flat"):
+        if self.consensus.coupled and self.method not in ("prunex", "prunex-flat"):
             raise ValueError(f"--coupled is a PruneX option (prunex, prunex-flat), not one of {self.method!r}")
-
-    def as_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def _lr_factor(cfg: TrainConfig, steps_per_epoch: int):
@@ -208,7 +240,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     from tqdm import tqdm
 
     cfg.validate()
-    topo = px.init(backend=cfg.backend, ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout)
+    topo = px.init(backend=cfg.consensus.backend, ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout)
     _, control = runtime.state()
     threads = _set_threads(cfg.threads, control)
     rank, is_main = topo.rank, topo.rank == 0
@@ -227,21 +259,20 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                            device=device)
     test_loader = ShardedLoader(data, cfg.test_batch_size, rank, topo.size, seed=cfg.seed, train=False, device=device)
     steps_per_epoch = len(train_loader)
-    local_steps = cfg.local_steps or max(1, round(cfg.local_epochs * steps_per_epoch))
+    cfg = cfg.resolved(steps_per_epoch)
+    local_steps = cfg.consensus.local_steps
     total_steps = max(1, round(cfg.epochs * steps_per_epoch))
-    if cfg.freeze_round == "auto":   # masks move for the first third, the rest retrains the structure
-        cfg = dataclasses.replace(cfg, freeze_round=max(1, math.ceil(total_steps / local_steps) // 3))
 
     base = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                            nesterov=cfg.nesterov)
     train_loader.set_epoch(0)
-    opt = call_agreed(control, methods.wrap, cfg.method, base, model, cfg, local_steps,
-                  sample_batch=lambda: next(iter(train_loader.batches())))
+    opt = call_agreed(control, methods.wrap, cfg.method, base, model, cfg,
+                      sample_batch=lambda: next(iter(train_loader.batches())))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(cfg, steps_per_epoch))
 
-    meta = {"model": cfg.model, "dataset": cfg.dataset, "method": cfg.method, "sparsity": str(cfg.sparsity),
-            "coupled": cfg.coupled, "world_size": topo.size, "num_nodes": topo.num_nodes, "ranks_per_node": topo.local_size,
-            "batch_size": cfg.batch_size, "local_steps": local_steps, "seed": cfg.seed}
+    meta = {"model": cfg.model, "dataset": cfg.dataset, "method": cfg.method, "sparsity": str(cfg.consensus.sparsity),
+            "coupled": cfg.consensus.coupled, "world_size": topo.size, "num_nodes": topo.num_nodes,
+            "ranks_per_node": topo.local_size, "batch_size": cfg.batch_size, "local_steps": local_steps, "seed": cfg.seed}
     os.makedirs(cfg.out, exist_ok=True)
     step, wall_offset, resumed = 0, 0.0, False
     if cfg.resume:
@@ -350,7 +381,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     params_total = sum(p.numel() for p in model.parameters())
     params_nonzero = sum(int(torch.count_nonzero(p)) for p in model.parameters())
     summary = {"name": os.path.basename(os.path.normpath(cfg.out)), "method": cfg.method, "model": cfg.model,
-               "dataset": cfg.dataset, "sparsity": str(cfg.sparsity), "world_size": topo.size,
+               "dataset": cfg.dataset, "sparsity": str(cfg.consensus.sparsity), "world_size": topo.size,
                "num_nodes": topo.num_nodes, "ranks_per_node": topo.local_size, "launcher": topo.launcher,
                "backend": runtime.default_backend(), "epochs": cfg.epochs, "rounds": stats["rounds"],
                "steps": step, "local_steps": local_steps, "final_test_acc": final["test_acc"],
@@ -364,7 +395,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         checkpoint.atomic_torch_save(os.path.join(cfg.out, "final_model.pt"),
                                      {"model": cfg.model,
                                       "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                                      "sparsity": str(cfg.sparsity), "num_classes": data.num_classes,
+                                      "sparsity": str(cfg.consensus.sparsity), "num_classes": data.num_classes,
                                       "in_channels": data.in_channels, "image_size": data.image_size,
                                       "dataset": cfg.dataset})  # state_dict on cpu: loads anywhere
         checkpoint.atomic_write_json(os.path.join(cfg.out, "summary.json"), summary)

@@ -16,8 +16,8 @@ Every rank of node i holds the same z_i, v_i and z; leaders (local rank 0) alone
 
 Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`HSADMM.add_proximal_grad`).
 
-Residuals count both tiers as consensus ADMM does (:mod:`prunex_hvd.engine.admm`): s_intra = ρ1√(P·Σ_i‖Δz_i‖²),
-s_inter = ρ2√M‖Δz‖. With one node (or ``hierarchical=False``) there is no inter-node tier: z = z_i, r_inter is
+Residuals count both tiers as consensus ADMM does (:mod:`prunex_hvd.engine.admm`):
+s_intra = ρ1√(P·Σ_i‖Δz_i‖²), s_inter = ρ2√M‖Δz‖. With one node (or ``hierarchical=False``) there is no inter-node tier: z = z_i, r_inter is
 0 by construction, so ρ2 is not adapted and no inter residuals are reported.
 
 Precision: the consensus state and its arithmetic are float32 for float16/bfloat16 models
@@ -41,6 +41,7 @@ from ..dist import watchdog
 from ..dist.comm.accounting import ledger as default_ledger, ring_cross_node_bytes
 from . import admm, sparsity
 from .buckets import BucketLayout
+from .config import ConsensusConfig, Structure
 
 log = logging.getLogger(__name__)
 
@@ -84,21 +85,18 @@ def _ranks(ranks: List[int]) -> str:
 
 
 class HSADMM:
-    """The consensus state of one rank and the round that updates it. Transport comes from ``groups``
-    (a :class:`prunex_hvd.dist.comm.Groups`); the math from :mod:`prunex_hvd.engine.admm` and :mod:`prunex_hvd.engine.sparsity`."""
+    """The consensus state of one rank and the round that updates it, under ``config`` (its knobs) on
+    ``structure`` (what they resolve to on the model; resolved here when not given). Transport comes from
+    ``groups`` (a :class:`prunex_hvd.dist.comm.Groups`); the math from :mod:`prunex_hvd.engine.admm` and
+    :mod:`prunex_hvd.engine.sparsity`."""
 
-    def __init__(self, model: torch.nn.Module, topo, groups, specs: Dict[str, sparsity.StructureSpec],
-                 rho1: float, rho2: float, rho_max: float, adaptive_rho: bool, weight_decay_z: float,
-                 freeze_round: Optional[int], freeze_patience: int, bucket_mb: float, ledger=None,
-                 masked_retrain: bool = True, couplings: Optional[Dict[str, str]] = None, streams=None):
-        self.topo, self.groups = topo, groups
-        self.couplings = dict(couplings or {})   # {consumer conv: producer conv}, pruned as one channel group
-        self.streams = list(streams or ())       # [(readers, writers)]: one channel group per residual stream
-        self.masked_retrain = masked_retrain
-        self.rho_max, self.adaptive_rho = rho_max, adaptive_rho
-        self.weight_decay_z = weight_decay_z
-        self.freeze_round, self.freeze_patience = freeze_round, freeze_patience
-        self.bucket_bytes = int(bucket_mb * 2**20)
+    def __init__(self, model: torch.nn.Module, topo, groups, config: ConsensusConfig,
+                 structure: Optional[Structure] = None, ledger=None):
+        self.topo, self.groups, self.config = topo, groups, config
+        structure = structure or Structure.resolve(model, config)
+        self.couplings = dict(structure.couplings)   # {consumer conv: producer conv}, pruned as one channel group
+        self.streams = list(structure.streams)       # [(readers, writers)]: one channel group per residual stream
+        self.bucket_bytes = int(config.bucket_mb * 2**20)
         self.ledger = ledger or default_ledger()
         params = [(n, p) for n, p in model.named_parameters()]
         self.buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
@@ -116,8 +114,8 @@ class HSADMM:
         self.entries: List[Entry] = []
         for name, p in params:
             theta = p.detach().to(self.state_dtype)
-            e = Entry(name, p, specs.get(name), u=torch.zeros_like(theta), z_i=theta.clone(),
-                      v=torch.zeros_like(theta), z=theta.clone(), rho1=float(rho1), rho2=float(rho2))
+            e = Entry(name, p, structure.specs.get(name), u=torch.zeros_like(theta), z_i=theta.clone(),
+                      v=torch.zeros_like(theta), z=theta.clone(), rho1=float(config.rho1), rho2=float(config.rho2))
             if e.structured:   # masks start all ones
                 c_out = theta.shape[0]
                 e.set_masks(torch.ones(c_out, dtype=torch.bool, device=self.device),
@@ -180,7 +178,7 @@ class HSADMM:
                 prox = torch._foreach_sub(thetas, [self._shift[k] for k in live])
                 torch._foreach_mul_(prox, rho1)
                 torch._foreach_add_(grads, prox)
-        if self.frozen and self.masked_retrain and self.structured:
+        if self.frozen and self.config.masked_retrain and self.structured:
             torch._foreach_mul_([e.param.grad for e in self.structured if e.param.grad is not None],
                                 [m for e, m in zip(self.structured, self._retrain_support())
                                  if e.param.grad is not None])
@@ -188,7 +186,7 @@ class HSADMM:
     def after_step(self) -> None:
         """Retraining phase (PruneX §4.5): once masks are frozen, θ stays on the frozen structure, so training
         is ordinary data-parallel training of the pruned model (momentum would move pruned entries)."""
-        if self.frozen and self.masked_retrain and self.structured:
+        if self.frozen and self.config.masked_retrain and self.structured:
             with torch.no_grad():
                 torch._foreach_mul_([e.param for e in self.structured], self._retrain_support())
 
@@ -251,7 +249,7 @@ class HSADMM:
         """Phase 2: the exact argmin in z_i of every entry (every rank of the node computes the same)."""
         P, M = self.topo.local_size, self.topo.num_nodes
         return [admm.node_candidate(self._dense.views[k].view_as(e.z), e.z, e.v, e.rho1, e.rho2, P, M,
-                                    self.weight_decay_z) for k, e in enumerate(self.entries)]
+                                    self.config.weight_decay_z) for k, e in enumerate(self.entries)]
 
     def _project(self, z_i_new: List[torch.Tensor]) -> None:
         """Phase 3, in place on the structured candidates: Π_S and the global masks (leaders OR them); once
@@ -351,9 +349,9 @@ class HSADMM:
             e.residuals = {"r_intra": r_intra, "s_intra": s_intra}
             if self.inter_tier:
                 e.residuals.update(r_inter=r_inter, s_inter=s_inter)
-            if self.adaptive_rho:
-                rho1 = admm.adapt_rho(e.rho1, r_intra, s_intra, self.rho_max)
-                rho2 = admm.adapt_rho(e.rho2, r_inter, s_inter, self.rho_max) if self.inter_tier else e.rho2
+            if self.config.adaptive_rho:
+                rho1 = admm.adapt_rho(e.rho1, r_intra, s_intra, self.config.rho_max)
+                rho2 = admm.adapt_rho(e.rho2, r_inter, s_inter, self.config.rho_max) if self.inter_tier else e.rho2
                 admm.rescale_dual(e.u, e.rho1, rho1)
                 admm.rescale_dual(e.v, e.rho2, rho2)
                 changed += [f"{e.name} {which} {old:.3g}->{new:.3g}" for which, old, new in
@@ -368,8 +366,8 @@ class HSADMM:
         """Phase 9: freeze after ``freeze_round`` rounds or ``freeze_patience`` rounds without a mask change."""
         if not self.frozen:
             self.stable_rounds = self.stable_rounds + 1 if self.mask_drift == 0 else 0
-            if (self.freeze_round is not None and self.round >= self.freeze_round) or \
-                    self.stable_rounds >= self.freeze_patience:
+            if (self.config.freeze_round is not None and self.round >= self.config.freeze_round) or \
+                    self.stable_rounds >= self.config.freeze_patience:
                 self._freeze()
 
     def _freeze(self) -> None:

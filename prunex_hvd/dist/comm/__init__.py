@@ -111,5 +111,5 @@ def unbind() -> None:
     _job = None
 
 
-__all__ = ["BACKENDS", "BackendUnavailable", "CommLedger", "CommRecord", "Communicator", "Groups", "bind", "groups", "ledger", "reset",
-           "summary", "tagged", "unavailable_reason", "unbind"]
+__all__ = ["BACKENDS", "BackendUnavailable", "CommLedger", "CommRecord", "Communicator", "Groups", "bind", "groups",
+           "ledger", "reset", "summary", "tagged", "unavailable_reason", "unbind"]

@@ -63,7 +63,7 @@ class GatherPlan(NamedTuple):
 
 class KernelPlan(NamedTuple):
     """CPU: shrink and recover of a row and column subset as one pass each of the native kernel
-    (:mod:`prunex_hvd.native`).
+    (:mod:`prunex_hvd.engine.sparsity.native`).
 
     The kept rows (``rows``; None when every row is kept) all keep the same ``block_shape[1]`` columns: ``bits``
     is that column mask packed 8 columns to a byte, ``offs[b]`` the kept columns before byte ``b`` (``offs[-1]``
@@ -171,7 +171,7 @@ def recover_gather(rows_with_zero: Tensor, index: Tensor, shape, out: Optional[T
 
     ``rows_with_zero`` is the compact block viewed as rows of ``chunk`` elements followed, somewhere, by a row of
     zeros; ``index`` is the plan's ``slot`` with every -1 pointing at that zero row
-    (:meth:`prunex_hvd.buckets.BucketLayout.chunk_rows` gives both). Unlike zero-fill + scatter, it writes every
+    (:meth:`prunex_hvd.engine.buckets.BucketLayout.chunk_rows` gives both). Unlike zero-fill + scatter, it writes every
     element once: on CPU at the speed of a copy. ``out``: a contiguous tensor of ``shape`` to write instead."""
     if out is None:
         return rows_with_zero.index_select(0, index).view(shape)

@@ -122,8 +122,8 @@ def read_channels(cols: Tensor, c_in: int) -> Tensor:
 def coupled_masks(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureSpec"],
                   couplings: Mapping[str, str], streams=()) -> dict:
     """Masks ``{name: (rows, cols)}`` for every name in ``specs``, with channel pruning coupled along
-    ``couplings`` (``{consumer: producer}``, from :func:`prunex_hvd.dependencies.channel_couplings`) and
-    ``streams`` (``(readers, writers)`` name tuples, from :func:`prunex_hvd.dependencies.channel_streams`).
+    ``couplings`` (``{consumer: producer}``, from :func:`prunex_hvd.engine.dependencies.channel_couplings`) and
+    ``streams`` (``(readers, writers)`` name tuples, from :func:`prunex_hvd.engine.dependencies.channel_streams`).
 
     For a coupled pair, input channel ``c`` of the consumer and filter ``c`` of the producer are one group:
     the consumer's channel stage ranks channels by the squared norm of its column block plus that of the

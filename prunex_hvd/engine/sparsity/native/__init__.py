@@ -110,5 +110,6 @@ def describe() -> str:
 
 
 def build() -> Optional[Path]:
-    """Build now (``python -m prunex_hvd.engine.sparsity.native``, run by ``make setup``) and return the library's path."""
+    """Build now (``python -m prunex_hvd.engine.sparsity.native``, run by ``make setup``) and return the
+    library's path."""
     return _library_path() if module() is not None else None

@@ -1,0 +1,193 @@
+"""The consensus's knobs in one frozen object (:class:`ConsensusConfig`), and what they resolve to on a model
+(:class:`Structure`). Each knob is spelled once, here: the wrapper's keyword arguments, the cross-rank
+agreement, the engine, the training config and the command line's flags all read these fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any, Dict, List, NamedTuple, Optional, Union
+
+import torch
+
+from ..dist.comm import check_backend_name
+from . import dependencies
+from .sparsity import StructureSpec, check_layer_types, resolve_specs, stream_keep
+
+COUPLING_MODES = (False, True, "pairs", "streams")
+
+
+def _knob(default, help: str, agree: Optional[str] = None):
+    """A field with its one-line help (the command line's too); ``agree`` names the group a disagreement across
+    ranks is reported under (default: the knob's own name)."""
+    return field(default=default, metadata={"help": help, "agree": agree})
+
+
+@dataclass(frozen=True)
+class ConsensusConfig:
+    """Every knob of the H-SADMM consensus, validated when it is made. The tuning guide (what each knob does to
+    speed and accuracy):
+
+    * ``local_steps`` — wrapped steps between consensus rounds. Communication happens only in rounds, so
+      traffic falls as 1/local_steps; too many steps let ranks drift apart (higher primal residual, slower
+      agreement). The paper uses 5–10 local epochs per round on CIFAR; start with one epoch per round.
+    * the wrapped optimizer's ``lr`` (not a knob here) — between rounds each rank steps on its own batch, where
+      data-parallel SGD steps on the average of all ranks' batches. Coming from a dense recipe with lr L over
+      W ranks, start at about L / W (the linear scaling rule). Measured with ResNet-18, 2×2 ranks and batch
+      16: lr 0.05 reached 0.80 test accuracy after 15.5 epochs, lr 0.0125 after 11.
+    * ``rho1`` — pull of each rank's θ toward its node consensus z_i, added to every gradient. Larger: ranks of
+      a node stay together and the structure is reached sooner, at the cost of freedom to fit local data
+      (accuracy). ``rho2`` — pull of each node toward the global z; keep it ~10× smaller than rho1 so nodes
+      can differ while their masks settle. ``adaptive_rho`` balances primal and dual residuals per layer (×/÷2
+      when one is 10× the other, capped at ``rho_max``), which makes the defaults safe across models.
+    * ``sparsity`` — the structure to keep: ``"filter:K"``, ``"channel:K"``, ``"shape:K"`` (K = fraction KEPT),
+      joined with ``"+"`` (applied filter → channel → shape), or ``{name_glob: spec}`` per layer (``"dense"``
+      excludes a layer). Only conv weights (4-D) are structured; the rest joins the consensus densely.
+      Inter-node traffic shrinks with the kept fraction. A ``ConvTranspose2d`` must be left dense, and a
+      grouped conv may only lose output filters (``filter:K``): the error names the layer and the dict to
+      write. A stage that can remove nothing from a layer (``channel:K`` on a 1-channel stem or a depthwise
+      conv) is one warning on rank 0.
+    * ``freeze_round`` / ``freeze_patience`` — masks stop moving after that round, or once the global mask is
+      unchanged for that many rounds; then buffers are allocated once and projection is skipped.
+    * ``masked_retrain`` — after freezing, keep θ on the frozen structure (gradients and weights masked): the
+      paper's retraining phase, so the model trained from then on is the pruned model itself. Freeze early
+      enough to leave epochs for it (a third to a half of the run works well).
+    * ``coupled`` — channel pruning with dependencies (Torch-Pruning's "group"): when conv B reads conv A's
+      output through BatchNorm/activations only, B's input channel c and A's filter c are pruned together,
+      ranked by their joint norm. ``channel:0.5`` then also halves A's filters: inter-node traffic falls from
+      ~0.50× to ~0.3–0.4× of dense on ResNets, and the final model is that much smaller, at some accuracy
+      (A is pruned on both sides). ``coupled="streams"`` also makes each residual stream one group: every
+      conv reading it (input channel c) and writing into it (filter c) shares one channel set, keep ratio from
+      the readers' ``channel:K`` (they must agree), so export can remove the whole pruned fraction. A stream
+      with a reader or writer other than a plain conv (``groups=1``), e.g. the last one read by the linear
+      head, keeps per-layer masks. Needs a ``torch.fx``-traceable model.
+    * ``weight_decay_z`` — λ of the z-step (a ridge on the consensus itself); 0 leaves decay to the optimizer.
+    * ``bucket_mb`` — size of the flat buffers packed for each collective (one collective per bucket).
+    * ``backend`` — the transport: ``auto`` (nccl for CUDA tensors, mpi under MPI, gloo otherwise), ``mpi``,
+      ``gloo``, ``nccl`` or ``horovod``.
+    * ``hierarchical=False`` — the paper's "PruneX (AR)" ablation: one flat consensus over the world group
+      (every rank allreduces its dense θ + u, the projection applies to the global variable). Same math with
+      M = 1 node of all ranks; it shows what the hierarchy saves.
+
+    Frozen: change a copy with :func:`dataclasses.replace`, which validates again.
+    """
+    sparsity: Any = _knob("channel:0.5", "channel:0.5, filter:0.5+channel:0.5, or JSON {glob: spec}; the number "
+                                         "is the KEPT fraction")
+    local_steps: int = _knob(100, "wrapped steps between consensus rounds")
+    rho1: float = _knob(1.5e-3, "pull of each rank toward its node's consensus z_i", agree="rho")
+    rho2: float = _knob(1.5e-4, "pull of each node toward the global consensus z", agree="rho")
+    rho_max: float = _knob(10.0, "cap of the adaptive rho's", agree="rho")
+    adaptive_rho: bool = _knob(True, "balance primal and dual residuals per layer by rescaling rho", agree="rho")
+    weight_decay_z: float = _knob(0.0, "ridge on the consensus z (the z-step's lambda)", agree="rho")
+    freeze_round: Optional[int] = _knob(None, "round after which masks freeze (None: only freeze_patience)",
+                                        agree="freezing")
+    freeze_patience: int = _knob(3, "rounds the global mask must hold before it freezes", agree="freezing")
+    masked_retrain: bool = _knob(True, "after freezing, keep θ on the frozen structure (off: only z is masked)",
+                                 agree="freezing")
+    coupled: Union[bool, str] = _knob(False, "channel pruning with dependencies: True (= 'pairs') or 'streams'")
+    bucket_mb: float = _knob(32.0, "size of the flat buffers packed for one collective (MB)")
+    backend: str = _knob("auto", "auto, mpi, gloo, nccl or horovod")
+    hierarchical: bool = _knob(True, "False: one flat consensus over the world group (PruneX (AR))")
+
+    def __post_init__(self):
+        def integer(name, minimum):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        integer("local_steps", 1)
+        for name in ("rho1", "rho2", "rho_max"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.coupled not in COUPLING_MODES or type(self.coupled) not in (bool, str):
+            raise ValueError(f"coupled must be False, True (= 'pairs') or 'streams', got {self.coupled!r}")
+        if self.weight_decay_z < 0:
+            raise ValueError(f"weight_decay_z must be >= 0, got {self.weight_decay_z!r}")
+        if self.freeze_round is not None and (isinstance(self.freeze_round, bool)
+                                              or not isinstance(self.freeze_round, int) or self.freeze_round < 1):
+            raise ValueError(f"freeze_round must be None or an integer >= 1, got {self.freeze_round!r}")
+        integer("freeze_patience", 1)
+        check_bucket_mb(self.bucket_mb)
+        check_backend_name(self.backend)
+
+    @classmethod
+    def knob_names(cls) -> List[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_knobs(cls, knobs: Dict[str, Any], base: Optional["ConsensusConfig"] = None,
+                   who: str = "DistributedOptimizer") -> "ConsensusConfig":
+        """``base`` (default: the defaults) with ``knobs`` in place. An unknown name is a ``ValueError`` (as a
+        bad value is, so the wrapper's agreement raises it on every rank) that says which knob was meant."""
+        names = cls.knob_names()
+        for name in knobs:
+            if name not in names:
+                near = difflib.get_close_matches(name, names, n=1)
+                raise ValueError(f"{who}() got an unexpected keyword argument {name!r}"
+                                + (f" (did you mean {near[0]!r}?)" if near else "")
+                                + f"; its knobs are {', '.join(names)}")
+        return dataclasses.replace(base, **knobs) if base is not None else cls(**knobs)
+
+    def knobs(self) -> Dict[str, Any]:
+        """``{name: value}`` of every knob (the values themselves, not copies)."""
+        return {name: getattr(self, name) for name in self.knob_names()}
+
+    def agreement(self, structure: "Structure") -> Dict[str, Any]:
+        """What every rank must hold equal: every knob, with ``sparsity`` and ``coupled`` replaced by what they
+        resolved to on this model (``structure``), grouped as a disagreement is reported (``rho`` for the
+        ρ's, ``freezing``, ...; a knob without a group under its own name)."""
+        resolved = {"sparsity": {n: str(s) for n, s in structure.specs.items()},
+                    "coupled": (structure.couplings, [list(map(list, s)) for s in structure.streams])}
+        out: Dict[str, list] = {}
+        for f in dataclasses.fields(self):
+            out.setdefault(f.metadata["agree"] or f.name, []).append(resolved.get(f.name, getattr(self, f.name)))
+        return {k: v[0] if len(v) == 1 else tuple(v) for k, v in out.items()}
+
+
+def check_bucket_mb(bucket_mb) -> None:
+    if isinstance(bucket_mb, bool) or not (isinstance(bucket_mb, Real) and math.isfinite(bucket_mb) and bucket_mb > 0):
+        raise ValueError(f"bucket_mb must be a finite number > 0, got {bucket_mb!r}")
+
+
+class Structure(NamedTuple):
+    """What ``sparsity`` and ``coupled`` mean on one model: the spec of every structured parameter, the conv
+    pairs ``{consumer: producer}`` and residual streams pruned as one channel group each."""
+    specs: Dict[str, StructureSpec]
+    couplings: Dict[str, str]
+    streams: list
+
+    @classmethod
+    def resolve(cls, model: torch.nn.Module, config: ConsensusConfig) -> "Structure":
+        """Raises ``ValueError`` for a spec that does not fit the model (a glob matching nothing, a layer type
+        the GEMM view does not fit, coupling that would change nothing, stream readers asking for different
+        keep ratios)."""
+        specs = resolve_specs(model.named_parameters(), config.sparsity)
+        check_layer_types(model, specs, config.sparsity)   # before anything uses specs
+        couplings, streams = _couplings(model, specs, config.coupled) if config.coupled else ({}, [])
+        return cls(specs, couplings, streams)
+
+
+def _couplings(model, specs, coupled):
+    """The conv pairs and (``coupled="streams"``) residual streams pruned as one channel group each; an error
+    when coupling would change nothing, or when a stream's readers ask for different channel keep ratios."""
+    pairs = {c: p for c, p in dependencies.channel_couplings(model).items()
+             if c in specs and p in specs and any(k == "channel" for k, _ in specs[c].parts)}
+    streams = []
+    if coupled == "streams":
+        for s in dependencies.channel_streams(model):
+            # a member left dense, or a reader without a channel stage: that stream keeps per-layer masks
+            if all(n in specs for n in s.readers + s.writers) and \
+                    all(any(k == "channel" for k, _ in specs[n].parts) for n in s.readers):
+                stream_keep(specs, s.readers, s.writers)   # readers' keep ratios must agree
+                streams.append(s)
+        if not streams:
+            raise ValueError("coupled='streams', but no residual stream has only structured plain convs (groups=1) "
+                             "reading and writing it, with a 'channel:K' spec on its readers: nothing to couple")
+    if not pairs and not streams:
+        raise ValueError("coupled=True, but no conv reads another structured conv's output alone through a "
+                         "channel stage (needs a 'channel:K' spec on both, and no residual in between): "
+                         "nothing to couple")
+    return pairs, streams

@@ -1,0 +1,123 @@
+"""ConsensusConfig: each knob spelled once and read from there by the wrapper, the cross-rank agreement, the
+training config and the command line; validated when made."""
+import dataclasses
+import inspect
+import math
+
+import pytest
+import torch
+
+import prunex_hvd as px
+from models_for_tests import toy_cnn
+from prunex_hvd.app import cli
+from prunex_hvd.app.train import AUTO_FREEZE, RECIPE, TrainConfig
+from prunex_hvd.engine.config import ConsensusConfig, Structure
+
+KNOBS = ConsensusConfig.knob_names()
+
+
+@pytest.mark.parametrize("knobs,message", [
+    ({"local_steps": 0}, r"local_steps must be an integer >= 1, got 0"),
+    ({"local_steps": True}, r"local_steps must be an integer >= 1"),
+    ({"rho1": 0.0}, r"rho1 must be a finite number > 0, got 0\.0"),
+    ({"rho_max": math.inf}, r"rho_max must be a finite number > 0"),
+    ({"coupled": "yes"}, r"coupled must be False, True \(= 'pairs'\) or 'streams'"),
+    ({"weight_decay_z": -1.0}, r"weight_decay_z must be >= 0"),
+    ({"freeze_round": 0}, r"freeze_round must be None or an integer >= 1"),
+    ({"freeze_patience": 0}, r"freeze_patience must be an integer >= 1"),
+    ({"bucket_mb": 0}, r"bucket_mb must be a finite number > 0"),
+    ({"backend": "tcp"}, r"unknown backend 'tcp'"),
+])
+def test_a_bad_knob_is_refused_when_the_config_is_made(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        ConsensusConfig(**knobs)
+    with pytest.raises(ValueError, match=message):   # a copy is validated again
+        dataclasses.replace(ConsensusConfig(), **knobs)
+
+
+def test_frozen_and_an_unknown_knob_names_the_one_meant():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ConsensusConfig().rho1 = 1.0
+    with pytest.raises(ValueError, match=r"unexpected keyword argument 'rho_1' \(did you mean 'rho1'\?\)"):
+        ConsensusConfig.from_knobs({"rho_1": 0.1})
+    made = ConsensusConfig.from_knobs({"local_steps": 7}, base=ConsensusConfig(rho1=0.5))
+    assert (made.local_steps, made.rho1) == (7, 0.5)
+
+
+def test_the_wrapper_takes_every_knob_by_name_and_a_config_whole(single_process):
+    params = inspect.signature(px.DistributedOptimizer).parameters
+    assert list(params)[:3] == ["optimizer", "model", "config"]
+    assert {n: p.default for n, p in params.items() if n in KNOBS} == ConsensusConfig().knobs()
+    model = toy_cnn()
+    config = ConsensusConfig(sparsity="channel:0.5", local_steps=3, rho1=0.02)
+    opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, config, rho2=0.005)
+    assert opt._engine.config == dataclasses.replace(config, rho2=0.005)
+    with pytest.raises(ValueError, match="unexpected keyword argument 'local_step'"):
+        px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, local_step=3)
+
+
+def test_ranks_compare_every_knob():
+    """Each knob is in what ranks compare (a knob added later is compared without another line), grouped as
+    the error reports it; sparsity and coupled as they resolved on the model."""
+    model = toy_cnn()
+    base = ConsensusConfig(sparsity="channel:0.5")
+    agreed = base.agreement(Structure.resolve(model, base))
+    assert set(agreed) == {"sparsity", "local_steps", "rho", "freezing", "coupled", "bucket_mb", "backend",
+                           "hierarchical"}
+    changed = {"sparsity": {"*": "channel:0.5"}, "local_steps": 5, "rho1": 0.1, "rho2": 0.1, "rho_max": 5.0,
+               "adaptive_rho": False, "weight_decay_z": 0.1, "freeze_round": 2, "freeze_patience": 9,
+               "masked_retrain": False, "coupled": True, "bucket_mb": 1.0, "backend": "gloo",
+               "hierarchical": False}
+    assert set(changed) == set(KNOBS)
+    for name, value in changed.items():
+        other = dataclasses.replace(base, **{name: value})
+        theirs = other.agreement(Structure.resolve(model, other))
+        differ = {k for k in agreed if agreed[k] != theirs[k]}
+        # the same specs spelled another way resolve alike: not a disagreement
+        assert differ == (set() if name == "sparsity" else {dict(rho1="rho", rho2="rho", rho_max="rho",
+                          adaptive_rho="rho", weight_decay_z="rho", freeze_round="freezing",
+                          freeze_patience="freezing", masked_retrain="freezing").get(name, name)}), name
+
+
+def test_the_training_config_embeds_the_consensus_and_reads_flat_names():
+    cfg = TrainConfig.from_flat(rho1=0.2, coupled="streams", local_steps=9, freeze_round=None, model="resnet_small")
+    assert cfg.consensus == dataclasses.replace(RECIPE, rho1=0.2, coupled="streams", local_steps=9, freeze_round=None)
+    assert (cfg.model, cfg.local_epochs, cfg.freeze_fraction) == ("resnet_small", None, None)
+    flat = cfg.as_dict()
+    assert "consensus" not in flat and {k: flat[k] for k in KNOBS} == cfg.consensus.knobs()
+    assert TrainConfig.from_flat(**flat) == cfg   # as_dict and from_flat are each other's inverse
+    default = TrainConfig.from_flat(local_steps=None, freeze_round="auto")   # the command line's defaults
+    assert default == TrainConfig() and default.consensus == RECIPE and default.freeze_fraction == AUTO_FREEZE
+    with pytest.raises(TypeError, match="unexpected keyword argument 'rho'"):   # neither a knob nor a field
+        TrainConfig.from_flat(rho=0.1)
+
+
+@pytest.mark.parametrize("epochs,steps_per_epoch,local_epochs", [(10, 7, 1.0), (9, 10, 1.0), (3, 5, 0.5),
+                                                                 (1, 4, 1.0), (12, 3, 1.0)])
+def test_the_schedule_in_epochs_resolves_as_before(epochs, steps_per_epoch, local_epochs):
+    """local_steps from local_epochs and 'auto' freezing at a third of the planned rounds (the formula the
+    trainer used before the config was embedded)."""
+    resolved = TrainConfig(epochs=epochs, local_epochs=local_epochs).resolved(steps_per_epoch).consensus
+    local_steps = max(1, round(local_epochs * steps_per_epoch))
+    total_steps = max(1, round(epochs * steps_per_epoch))
+    assert resolved.local_steps == local_steps
+    assert resolved.freeze_round == max(1, math.ceil(total_steps / local_steps) // 3)
+    asked = TrainConfig.from_flat(epochs=epochs, local_steps=4, freeze_round=None).resolved(steps_per_epoch)
+    assert (asked.consensus.local_steps, asked.consensus.freeze_round) == (4, None)
+
+
+def test_every_knob_but_the_methods_own_is_a_flag_with_the_recipe_default():
+    parser = cli.build_parser()
+    args = parser.parse_args(["train"])
+    cfg = cli._train_config(args)
+    assert cfg == TrainConfig()
+    flags = {a.dest for a in parser._subparsers._group_actions[0].choices["train"]._actions}
+    assert set(KNOBS) - flags == {"hierarchical"}   # prunex or prunex-flat decides
+    argv = ["train", "--rho1", "0.3", "--no-adaptive-rho", "--no-masked-retrain", "--coupled-streams",
+            "--bucket-mb", "2", "--backend", "gloo", "--local-steps", "6", "--freeze-round", "4",
+            "--freeze-patience", "5", "--weight-decay-z", "0.1", "--rho-max", "3", "--rho2", "0.2",
+            "--sparsity", '{"*": "filter:0.5"}']
+    got = cli._train_config(parser.parse_args(argv)).consensus
+    assert got == ConsensusConfig(sparsity={"*": "filter:0.5"}, local_steps=6, rho1=0.3, rho2=0.2, rho_max=3.0,
+                                  adaptive_rho=False, weight_decay_z=0.1, freeze_round=4, freeze_patience=5,
+                                  masked_retrain=False, coupled="streams", bucket_mb=2.0, backend="gloo")
