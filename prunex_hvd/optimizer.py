@@ -130,15 +130,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
 
     Bad input raises ``ValueError`` on every rank, naming the ranks where it was found; so do ranks that
     disagree on the model (parameter names, shapes, dtypes), the sparsity spec or any knob."""
-    backend = knobs.get("backend", config.backend if config is not None else ConsensusConfig.backend)
+    given = config if isinstance(config, ConsensusConfig) else ConsensusConfig
+    backend = knobs.get("backend", given.backend)   # init() needs it before the checks below
 
     def checks():
+        if config is not None and not isinstance(config, ConsensusConfig):
+            raise ValueError(f"config must be a prunex_hvd.ConsensusConfig, got {type(config).__name__}")
         made = ConsensusConfig.from_knobs(knobs, base=config)
         check_wrapping(optimizer, model, made.bucket_mb)
         structure = Structure.resolve(model, made)
         return (made, structure), made.agreement(structure)
-    if config is not None and not isinstance(config, ConsensusConfig):
-        raise TypeError(f"config must be a prunex_hvd.ConsensusConfig, got {type(config).__name__}")
     config, structure = agreement.checked_construction("prunex_hvd.DistributedOptimizer", backend, model, checks)
     if runtime.topology().rank == 0:   # every rank resolved the same specs: say it once
         warn_stages_removing_nothing(model, structure.specs)

@@ -54,6 +54,8 @@ def test_the_wrapper_takes_every_knob_by_name_and_a_config_whole(single_process)
     assert opt._engine.config == dataclasses.replace(config, rho2=0.005)
     with pytest.raises(ValueError, match="unexpected keyword argument 'local_step'"):
         px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, local_step=3)
+    with pytest.raises(ValueError, match="config must be a prunex_hvd.ConsensusConfig, got dict"):
+        px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, {"rho1": 0.1})
 
 
 def test_ranks_compare_every_knob():
