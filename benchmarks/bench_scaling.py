@@ -1,4 +1,4 @@
-"""Strong scaling 8 -> 64 GPUs of dense, topk, pactrain, prunex-flat and prunex: an alpha-beta model, no launches.
+"""Strong scaling 8 -> 64 GPUs of dense, topk, pactrain, the round-based rivals and prunex: an alpha-beta model.
 
     python benchmarks/bench_scaling.py [--models resnet18,resnet152,wide_resnet50_2] [--volume VOLUME.json]
         [--step-seconds resnet18=0.04,...  --step-batch 128] [--global-batch 1024] [--local-steps 49] [--out FILE]
@@ -21,6 +21,10 @@ computes global_batch/N samples, so compute shrinks with N and communication doe
   - topk: two flat ring allgathers a step, values (fp32) and indices (int32) of ratio.P gradients per GPU
     (the selection's own cost is not modelled);
   - pactrain: flat ring allreduce of the kept gradients, every step (steady state: mask stable; no TernGrad);
+  - localsgd, diloco: every local_steps steps, a flat ring allreduce of the parameters and one of the float
+    buffers (DiLoCo's outer step is local);
+  - localsgd-hier: the same, plus an intra-node allreduce of the parameters every local_steps/4 steps (the
+    default node period: the largest divisor of local_steps not above a quarter of it);
   - prunex-flat: every local_steps steps, a flat ring allreduce of dense theta+u (params + float buffers);
   - prunex: every local_steps steps, intra-node allreduce of dense theta+u (NVLink), the leaders' ring allreduce
     of the compact message (inter-node), a compact intra-node broadcast, and the residual scalars (3 small
@@ -50,7 +54,7 @@ import benchjson  # benchmarks/ is the script's own folder, first on sys.path
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-METHODS = ("dense", "topk", "pactrain", "prunex-flat", "prunex")
+METHODS = ("dense", "topk", "pactrain", "localsgd", "localsgd-hier", "diloco", "prunex-flat", "prunex")
 SIZE_KEYS = ("params", "conv_params", "float_buffers", "dense_numel", "compact_ratio", "compact_ratio_source",
              "compact_ratio_from_shapes", "compact_ratio_pre_freeze_or", "pactrain_kept", "fwd_gflops_per_image")
 PAPER_SPEEDUP_64 = {"prunex": 6.75, "dense": 5.81, "topk": 3.71}   # Sec. 5.4 / Fig. 9, ResNet-152 (measured there)
@@ -165,6 +169,12 @@ def comm_per_step(method, N, G, f, a) -> float:
         return allgather(N, 4 * k, *flat) + allgather(N, 4 * k, *flat)
     if method == "pactrain":
         return allreduce(N, 4 * f["pactrain_kept"], *flat)
+    if method in ("localsgd", "localsgd-hier", "diloco"):
+        per_round = allreduce(N, grads, *flat) + allreduce(N, 4 * f["float_buffers"], *flat)
+        if method == "localsgd-hier":
+            intra_period = max(d for d in range(1, max(1, a.local_steps // 4) + 1) if a.local_steps % d == 0)
+            per_round += (a.local_steps // intra_period - 1) * allreduce(G, grads, *intra)
+        return per_round / a.local_steps
     residual = 3 * 8 * f["entries"]                     # float64 r/s per layer
     if method == "prunex-flat":
         per_round = allreduce(N, 4 * f["dense_numel"], *flat) + allreduce(N, residual, *flat)
@@ -303,6 +313,9 @@ def main():
         "a step; the cost of selecting the top-k is not modelled (the paper blames it for Top-K's 3.71x)",
         "pactrain: compact allreduce of the kept gradients every step at PruneX's kept fraction (counted from the "
         "model's shapes: conv weights at the spec + every other parameter), mask already stable",
+        f"localsgd / diloco / localsgd-hier: a round every {a.local_steps} steps, a flat ring allreduce of the fp32 "
+        "parameters and one of the float buffers; localsgd-hier also averages the parameters within each node "
+        "at its default node period; their rounds' local work (DiLoCo's outer step) is not modelled",
         f"prunex / prunex-flat: a round every {a.local_steps} steps (49 ~ one CIFAR-10 epoch at global batch "
         f"{a.global_batch}; the paper runs 5-10 local epochs per round, which would make rounds rarer still); "
         "the round's own compute (candidate, projection, recovery, duals) not modelled; prunex's masks frozen "

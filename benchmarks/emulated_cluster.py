@@ -75,7 +75,7 @@ SUBNET = "10.77.0"
 SWITCH_NS = "pxhsw"
 LAUNCH_NS = "pxhrun"
 HOST_RE = re.compile(r"^pxh\d+$")
-ALL_METHODS = ("dense", "topk", "pactrain", "prunex-flat", "prunex")
+ALL_METHODS = ("dense", "topk", "pactrain", "localsgd", "localsgd-hier", "diloco", "prunex-flat", "prunex")
 HOROVOD_METHODS = {"dense"}            # methods whose tensors go through Horovod itself
 HEADER_BYTES = 66                      # Ethernet 14 + IPv4 20 + TCP 20 + timestamps 12, per frame
 
@@ -313,7 +313,7 @@ def kernel_traffic(before, after, hosts: int) -> Dict[str, object]:
 def mpirun_command(hosts: int, per_host: int, mca: Dict[str, str], train_argv: List[str]) -> List[str]:
     cmd = ["ip", "netns", "exec", LAUNCH_NS, "mpirun", "-np", str(hosts * per_host),
            "-H", ",".join(f"pxh{k}:{per_host}" for k in range(hosts)), "--bind-to", "none",
-           "-x", "PXC_CONTROL_PLANE"]
+           "-x", "PXC_CONTROL_PLANE", "-x", "PRUNEX_MASTER_ADDR", "-x", "GLOO_SOCKET_IFNAME"]
     for key, value in mca.items():
         cmd += ["--mca", key, value]
     return cmd + [sys.executable, ENTRY, "train", *train_argv]
@@ -388,7 +388,10 @@ def run_one(args, bw: str, method: str, mca: Dict[str, str], timeout_s: float) -
         args.control_plane == "auto" and name in HOROVOD_METHODS) else "mpi")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PRUNEX_RANKS_PER_NODE", "OMPI_MCA_"))}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PXC_CONTROL_PLANE=control,
-               PXC_HOSTS=" ".join(f"pxh{k}" for k in range(args.hosts)), PYTHONUNBUFFERED="1")
+               PXC_HOSTS=" ".join(f"pxh{k}" for k in range(args.hosts)), PYTHONUNBUFFERED="1",
+               # torch.distributed (the round-based rivals' averaging): rank 0 sits on pxh0, and gloo talks
+               # on the host's one interface (the host names resolve to nothing inside the namespaces)
+               PRUNEX_MASTER_ADDR=f"{SUBNET}.1", GLOO_SOCKET_IFNAME="eth0")
     # later flags win in argparse: a method's own args override the shared ones
     train_argv = args.train_args.split() + args.method_args.get(method, args.method_args.get(name, "")).split() \
         + ["--method", name, "--out", out_dir]

@@ -168,14 +168,15 @@ def warn_stages_removing_nothing(model, specs) -> None:
                       f"(too few filters, input channels or columns for the keep ratio): {listed}", stacklevel=3)
 
 
-def check_wrapping(optimizer, model, bucket_mb) -> list:
+def check_wrapping(optimizer, model, bucket_mb=None) -> list:
     """The checks every wrapper (PruneX and the baselines) makes before it talks to anyone: the same answer on
     every rank, so raising is safe. Returns the parameters the optimizer holds."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    check_bucket_mb(bucket_mb)
+    if bucket_mb is not None:   # methods without buckets pass none
+        check_bucket_mb(bucket_mb)
     model_params = {id(p) for p in model.parameters()}
     stray = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if id(p) not in model_params]
     if stray:

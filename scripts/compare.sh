@@ -9,6 +9,6 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
 export OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
 rm -rf "$OUT"
 PRUNEX_RANKS_PER_NODE=2 timeout 1800 mpirun -np 4 -x PRUNEX_RANKS_PER_NODE "$BIN/prunex-hvd" compare \
-    --methods "${COMPARE_METHODS:-dense,topk,pactrain,prunex-flat,prunex}" \
+    --methods "${COMPARE_METHODS:-dense,topk,pactrain,localsgd,localsgd-hier,diloco,prunex-flat,prunex}" \
     --model resnet_small --dataset digits --sparsity channel:0.5 --epochs 24 --local-epochs 1 --batch-size 16 \
     --lr 0.05 --rho1 0.01 --rho2 0.001 --freeze-round 8 --topk-ratio 0.01 --no-progress --out "$OUT"

@@ -15,7 +15,8 @@ COMMON = ["--model", "resnet_small", "--dataset", "digits", "--image-size", "8",
           "--freeze-round", "4",   # a short run needs the nodes coupled: rho2 = rho1, two rounds an epoch
           "--topk-ratio", "0.05", "--threads", "1", "--no-progress"]
 STEPS_PER_EPOCH = 1437 // 4 // 16
-METHODS = ("dense", "topk", "pactrain", "prunex-flat", "prunex")
+METHODS = ("dense", "topk", "pactrain", "localsgd", "localsgd-hier", "diloco", "prunex-flat", "prunex")
+ROUND_BASED = ("localsgd", "localsgd-hier", "diloco")
 
 
 def ring_allreduce_cross(nbytes, crossing=2, n=4):
@@ -49,7 +50,7 @@ def test_every_method_trains_to_a_sensible_accuracy(compared):
     assert all(f"| {m} |" in table for m in METHODS) and "× dense bytes" in stdout
     assert (out / "report" / "accuracy_vs_inter_bytes.png").exists()
     # the pruning methods end at the requested kept fraction, the others dense
-    assert summaries["dense"]["density"] == summaries["topk"]["density"] == 1.0
+    assert all(summaries[m]["density"] == 1.0 for m in ("dense", "topk") + ROUND_BASED)
     for m in ("pactrain", "prunex-flat", "prunex"):
         assert 0.45 < summaries[m]["density"] < 0.55, (m, summaries[m]["density"])
     # and PruneX sends the least across nodes
@@ -75,6 +76,17 @@ def test_prunex_flat_bytes_per_round(compared):
     per_round = ring_allreduce_cross(dense) + ring_allreduce_cross(residuals)
     assert s["prunex-flat"]["inter_bytes"] == s["prunex-flat"]["rounds"] * per_round
     assert s["prunex-flat"]["dense_inter_bytes"] == s["prunex-flat"]["rounds"] * ring_allreduce_cross(dense)
+
+
+def test_round_based_rivals_bytes_per_round(compared):
+    """A round at the same period as PruneX's: the parameters (PyTorch's one flat allreduce) and the float
+    buffers (ours) over the world; the hierarchical one's node averages never cross."""
+    _, _, s = compared
+    params, floats = model_sizes()
+    per_round = ring_allreduce_cross(4 * sum(params)) + ring_allreduce_cross(4 * sum(floats))
+    for m in ROUND_BASED:
+        assert s[m]["rounds"] == s["prunex"]["rounds"] == EPOCHS * STEPS_PER_EPOCH // 11, m
+        assert s[m]["inter_bytes"] == s[m]["rounds"] * per_round, m
 
 
 def test_topk_and_pactrain_send_less_than_dense(compared):

@@ -7,7 +7,7 @@
     prunex-hvd train --model resnet18 --dataset cifar10 --data-dir data --sparsity channel:0.5 --out runs/NAME ...
         under any launcher: train with --method (PruneX by default); metrics, checkpoints, summary in --out.
 
-    prunex-hvd compare --methods dense,topk,pactrain,prunex-flat,prunex [train options] --out runs/cmp
+    prunex-hvd compare --methods dense,localsgd,diloco,prunex [train options] --out runs/cmp
         under any launcher: the same training with each method in turn, then a table and the plots.
 
     prunex-hvd report runs/A runs/B ... [--out DIR]
@@ -201,7 +201,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("H-SADMM (prunex, prunex-flat); defaults are a recipe measured to converge in "
                              "tens of rounds, the paper's are rho1=1.5e-3 rho2=1.5e-4")
     _consensus_flags({"consensus": g, "schedule": schedule})
-    g = p.add_argument_group("baselines (--method dense | topk | pactrain | prunex-flat)")
+    g = p.add_argument_group("baselines (--method dense | topk | pactrain | localsgd | localsgd-hier | diloco | "
+                             "prunex-flat); the round-based ones talk every --local-steps / --local-epochs")
     g.add_argument("--topk-ratio", type=float, default=D.topk_ratio, help="topk: fraction of each layer sent")
     g.add_argument("--topk-warmup-steps", type=int, default=D.topk_warmup_steps, help="topk: dense steps first")
     g.add_argument("--pactrain-score", default=D.pactrain_score, choices=("magnitude", "grasp"),
@@ -209,6 +210,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pactrain-patience", type=int, default=D.pactrain_patience,
                    help="pactrain: steps the mask must hold before gradients travel compacted")
     g.add_argument("--terngrad", action="store_true", help="pactrain: ternary gradients with a shared scale")
+    g.add_argument("--hier-intra-steps", type=int, default=D.hier_intra_steps,
+                   help="localsgd-hier: steps between averages within a node; must divide the round's steps "
+                        "(default: the largest divisor not above a quarter of them)")
+    g.add_argument("--diloco-outer-lr", type=float, default=D.diloco_outer_lr, help="diloco: outer Nesterov SGD lr")
+    g.add_argument("--diloco-outer-momentum", type=float, default=D.diloco_outer_momentum,
+                   help="diloco: outer Nesterov SGD momentum")
     g = p.add_argument_group("job")
     _consensus_flags({"job": g})
     g.add_argument("--ranks-per-node", type=int, default=None,
@@ -290,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
     cmp_ = sub.add_parser("compare", help="train several --methods in turn on the same setup and tabulate them")
     _add_train_args(cmp_)
-    cmp_.add_argument("--methods", default="dense,topk,pactrain,prunex-flat,prunex",
+    cmp_.add_argument("--methods", default="dense,topk,pactrain,localsgd,localsgd-hier,diloco,prunex-flat,prunex",
                       help="comma-separated; each run goes to --out/<method>")
     cmp_.set_defaults(func=_compare, out="runs/compare")
     rep = sub.add_parser("report", help="plots and a markdown table from run folders")

@@ -74,6 +74,9 @@ class TrainConfig:
     pactrain_score: str = "magnitude"          # pactrain: magnitude | grasp
     pactrain_patience: int = 3                 # pactrain: steps the mask must hold before compact allreduce
     terngrad: bool = False                     # pactrain: ternary gradients with a shared scale
+    hier_intra_steps: Optional[int] = None     # localsgd-hier: steps between node averages (divides the round)
+    diloco_outer_lr: float = 0.7               # diloco: the outer Nesterov SGD's lr and momentum (the paper's)
+    diloco_outer_momentum: float = 0.9
     ranks_per_node: Optional[int] = None
     timeout: Optional[float] = None            # s a collective may wait before the job stops naming who is missing
     seed: int = 0
