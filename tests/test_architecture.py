@@ -107,3 +107,11 @@ def test_the_math_does_not_communicate():
     wrong = {m: sorted(d for d in deps if _inside(d, "prunex_hvd.dist"))
              for m, deps in GRAPH.items() if any(_inside(m, p) for p in PURE)}
     assert not any(wrong.values()), f"pure math importing the transport: {wrong}"
+
+
+def test_every_folder_is_a_package_that_setup_packs():
+    """A folder without ``__init__.py`` imports as a namespace package from a checkout, but ``packages =
+    find:`` leaves it out of an installed wheel (it was once git-ignored by a build-output pattern)."""
+    from setuptools import find_packages
+    folders = {".".join(p.relative_to(ROOT.parent).parts) for p in ROOT.rglob("*.py") for p in [p.parent]}
+    assert folders <= set(find_packages(str(ROOT.parent), include=["prunex_hvd", "prunex_hvd.*"]))
