@@ -117,7 +117,10 @@ BASELINES = {"dense": "dense", "topk": "Top-K", "pactrain": "PacTrain"}
 LOCAL_INPUT = {"glob": r"sparsity glob 'nope\.\*' matches no parameter",
                "nonconv": r"'1\.weight' \(shape \(8,\)\) is not a conv weight",
                "rho0": r"rho1 must be a finite number > 0, got 0\.0",
-               "steps0": r"local_steps must be an integer >= 1, got 0"}
+               "steps0": r"local_steps must be an integer >= 1, got 0",
+               "rival-localsgd": r"period must be an integer >= 1, got 0",
+               "rival-localsgd-hier": r"intra_period 3 must divide period 4",
+               "rival-diloco": r"outer_lr must be a number > 0, got 0\.0"}
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +156,8 @@ def test_baselines_refuse_a_different_model_on_one_rank(construction_errors, met
 @pytest.mark.parametrize("case", LOCAL_INPUT)
 def test_local_input_errors_on_one_rank_are_raised_on_every_rank(construction_errors, case):
     """Rank 2 alone names a parameter that does not exist, puts structure on a BatchNorm weight, passes rho1=0 or
-    local_steps=0: every rank raises that error with rank 2 named."""
+    local_steps=0, or gives a round-based rival a bad period, node period or outer lr: every rank raises that
+    error with rank 2 named."""
     proc, out = construction_errors
     assert_every_rank_says(proc, out / case, LOCAL_INPUT[case] + r".* \[on rank\(s\) 2\]", failed=False)
 

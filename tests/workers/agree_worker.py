@@ -28,12 +28,20 @@ DISAGREE = {"model": (10, "channel:0.5", {}), "spec": (8, "filter:0.5", {}), "ke
 ODD_LOCAL = {"glob": (8, {"nope.*": "channel:0.5"}, {}), "nonconv": (8, {"1.weight": "channel:0.5"}, {}),
              "rho0": (8, "channel:0.5", {"rho1": 0.0}), "steps0": (8, "channel:0.5", {"local_steps": 0})}
 METHODS = ("prunex", "dense", "topk", "pactrain")
+# the round-based rivals: rank 2 alone passes a bad setting (the others period 4, node period 2, outer lr 0.7)
+RIVALS = {"rival-localsgd": ("LocalSGD", {"period": 0}),
+          "rival-localsgd-hier": ("HierarchicalLocalSGD", {"period": 4, "intra_period": 3}),
+          "rival-diloco": ("DiLoCo", {"period": 4, "outer_lr": 0.0})}
+RIVAL_GOOD = {"LocalSGD": {"period": 4}, "HierarchicalLocalSGD": {"period": 4, "intra_period": 2},
+              "DiLoCo": {"period": 4, "outer_lr": 0.7}}
 SAME = (8, "channel:0.5", {})
 
 
 def parse_case(case):
     """CASE (prunex_hvd.DistributedOptimizer) or CASE-METHOD (a baseline's optimizer, which takes no rho and,
     but for PacTrain, no sparsity): (rank 2's input, method)."""
+    if case in RIVALS:
+        return None, case
     name, _, method = case.partition("-")
     if name in ODD_LOCAL and not method:
         return ODD_LOCAL[name], "prunex"
@@ -43,13 +51,19 @@ def parse_case(case):
 
 
 # what the tests try
-CASES = (*DISAGREE, *ODD_LOCAL, *(f"model-{m}" for m in METHODS[1:]))
+CASES = (*DISAGREE, *ODD_LOCAL, *(f"model-{m}" for m in METHODS[1:]), *RIVALS)
 
 
 def construct(case, rank):
     """Wrap a fresh model as ``case`` says for this rank (rank 2 is the odd one; ``None``: every rank alike);
     raises what the wrapper raises."""
     odd, method = parse_case(case) if case else (SAME, "prunex")
+    if method in RIVALS:
+        from prunex_hvd.baselines import averaging
+        factory, bad = RIVALS[method]
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3))
+        kw = bad if rank == ODD_RANK else RIVAL_GOOD[factory]
+        return getattr(averaging, factory)(torch.optim.SGD(model.parameters(), lr=0.1), model, **kw)
     width, spec, kw = odd if rank == ODD_RANK else SAME
     model = nn.Sequential(nn.Conv2d(3, width, 3), nn.BatchNorm2d(width), nn.ReLU(), nn.Conv2d(width, 4, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
