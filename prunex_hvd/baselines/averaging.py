@@ -41,7 +41,7 @@ from torch.distributed.algorithms.model_averaging.hierarchical_model_averager im
 from ..dist import agreement, runtime, watchdog
 from ..dist.comm import groups as comm_groups
 from ..dist.comm.accounting import CommRecord, ring_cross_node_bytes, ring_sent_bytes
-from .common import MethodOptimizer, broadcast_model, check_wrapping, mix_into
+from .common import MethodOptimizer, average_buffers, broadcast_model, check_wrapping, mix_into
 
 
 def _integer(name: str, value, minimum: int = 1) -> None:
@@ -117,14 +117,7 @@ class _RoundAveraging(MethodOptimizer):
             seconds=time.perf_counter() - t0, tag=self._tag))
 
     def _average_buffers(self) -> None:
-        if not self._buffers or self._world.size == 1:
-            return
-        flat = torch.cat([b.reshape(-1) for b in self._buffers])
-        self._world.allreduce_(flat, "avg")
-        offset = 0
-        for b in self._buffers:
-            b.copy_(flat[offset: offset + b.numel()].view_as(b))
-            offset += b.numel()
+        average_buffers(self._model, self._world, tag=self._tag)
 
     # -- the harness: the last round's model ---------------------------------------------------------------
     @contextlib.contextmanager

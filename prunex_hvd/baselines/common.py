@@ -64,14 +64,15 @@ def broadcast_model(model: torch.nn.Module, world, bucket_bytes: int = 32 * 2**2
         t.copy_(layout.views[k].view_as(t))
 
 
-def average_buffers(model: torch.nn.Module, world) -> None:
-    """Average the float buffers (BatchNorm running statistics) over the world; tagged ``eval``, outside
-    any method's :class:`Traffic`: it is bookkeeping for evaluation, not training traffic."""
+def average_buffers(model: torch.nn.Module, world, tag: str = "eval") -> None:
+    """Average the float buffers (BatchNorm running statistics) over the world, tagged ``tag``: by default
+    ``eval``, outside any method's :class:`Traffic` (bookkeeping for evaluation, not training traffic); the
+    round-based methods average them in every round, as training traffic."""
     buffers = [b for b in model.buffers() if b.is_floating_point()]
     if not buffers or world.size == 1:
         return
     flat = torch.cat([b.reshape(-1) for b in buffers])
-    with world.ledger.tagged("eval"):
+    with world.ledger.tagged(tag):
         world.allreduce_(flat, "avg")
     offset = 0
     for b in buffers:
