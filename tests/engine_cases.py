@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn as nn
 
-from reference import reference_round
+from reference import ramped_spec, reference_round
 
 ROUNDS, LOCAL_STEPS = 4, 3
 # what every engine case trains with; freeze_round=3 of 4 rounds leaves one round on frozen masks
@@ -113,14 +113,16 @@ def compare(name, got, want, rtol=1e-4, atol=1e-6):
 
 
 def check_round(rnd, before, after, node_ranks, eng):
-    """Every rank's state after round ``rnd`` (``after[r]``) against the reference round over all ranks'
-    states before it; ``eng`` (any rank's engine) gives the settings. Returns what the round sent, for
+    """Every rank's state after round ``rnd`` (``after[r]``, θ included) against the reference round over all
+    ranks' states before it; ``eng`` (any rank's engine) gives the settings. Returns what the round sent, for
     :func:`check_results`: whether the masks were frozen before it, and the compact (rows, cols) per layer."""
-    want = reference_round(before, node_ranks, {e.name: e.spec for e in eng.structured},
-                           weight_decay_z=eng.config.weight_decay_z, rho_max=eng.config.rho_max,
-                           adaptive=eng.config.adaptive_rho,
-                           freezes=after[0]["frozen"] and not before[0]["frozen"],
-                           couplings=eng.couplings, streams=eng.streams)
+    c = eng.config
+    specs = {e.name: e.spec for e in eng.structured}
+    want = reference_round(before, node_ranks, specs, weight_decay_z=c.weight_decay_z, rho_max=c.rho_max,
+                           adaptive=c.adaptive_rho, freezes=after[0]["frozen"] and not before[0]["frozen"],
+                           couplings=eng.couplings, streams=eng.streams, restart=c.restart,
+                           relaxation=c.relaxation, rho_growth=c.rho_growth,
+                           round_specs={n: ramped_spec(s, rnd + 1, c.keep_ramp_rounds) for n, s in specs.items()})
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
     for r, got in enumerate(after):
         node = node_of[r]
@@ -129,6 +131,7 @@ def check_round(rnd, before, after, node_ranks, eng):
             compare(f"round {rnd} rank {r} z_i[{name}]", got["z_i"][name], want["z_i"][node][name])
             compare(f"round {rnd} rank {r} v[{name}]", got["v"][name], want["v"][node][name])
             compare(f"round {rnd} rank {r} z[{name}]", got["z"][name], want["z"][name])
+            compare(f"round {rnd} rank {r} theta[{name}]", got["theta"][name], want["theta"][r][name])
             assert got["rho1"][name] == want["rho1"][name], (rnd, r, name, got["rho1"][name], want["rho1"][name])
             assert got["rho2"][name] == want["rho2"][name], (rnd, r, name, got["rho2"][name], want["rho2"][name])
         for name, (rows, cols) in got["masks"].items():

@@ -80,11 +80,23 @@ def reference_masks(weights, specs, couplings, streams=()):
     return out
 
 
+def ramped_spec(spec, round_no, ramp_rounds):
+    """The keep ramp written plainly: in round r < R every keep K is K + (1 − K)(1 − r/R)³."""
+    if round_no >= ramp_rounds:
+        return str(spec)
+    extra = (1 - round_no / ramp_rounds) ** 3
+    return "+".join(f"{kind}:{min(1.0, float(k) + (1 - float(k)) * extra)!r}"
+                    for kind, k in (part.split(":") for part in str(spec).split("+")))
+
+
 def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, freezes=False,
-                    couplings=None, streams=()):
+                    couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0, round_specs=None):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
-    frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers.
-    ``freezes``: the masks freeze at the end of this round, cut to the requested structure from z."""
+    frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers, and θ
+    per rank (where ``restart`` moves it). ``freezes``: the masks freeze at the end of this round, cut to the
+    requested structure from z. ``relaxation`` α: the next tier and the duals see α·θ + (1 − α)·z_i_old and
+    α·z_i + (1 − α)·z_old; ``rho_growth``: every ρ times it after balancing, capped; ``round_specs``: the specs
+    this round projects onto (a keep ramp), ``specs`` by default."""
     M, P = len(node_ranks), len(node_ranks[0])
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
     frozen = states[0]["frozen"]
@@ -92,16 +104,19 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
            "rho1": {}, "rho2": {}, "masks": {}, "sent_masks": {}, "buffers": {}, "residuals": {}}
     d = lambda t: t.double()  # noqa: E731
     couplings = couplings or {}
+    alpha = relaxation
+    relaxed_theta = {name: [alpha * d(s["theta"][name]) + (1 - alpha) * d(s["z_i"][name]) for s in states]
+                     for name in states[0]["theta"]}
     cands = {}
     for name in states[0]["theta"]:
         rho1, rho2 = states[0]["rho1"][name], states[0]["rho2"][name]
         z_old = d(states[0]["z"][name])
         cands[name] = []
         for i, ranks in enumerate(node_ranks):
-            node_sum = sum(d(states[r]["theta"][name]) + d(states[r]["u"][name]) for r in ranks)
+            node_sum = sum(relaxed_theta[name][r] + d(states[r]["u"][name]) for r in ranks)
             cands[name].append((rho1 * node_sum + rho2 * (z_old - d(states[ranks[0]]["v"][name])))
                                / (weight_decay_z / M + P * rho1 + rho2))
-    projected = [reference_masks({n: cands[n][i].float() for n in specs}, specs, couplings, streams)
+    projected = [reference_masks({n: cands[n][i].float() for n in specs}, round_specs or specs, couplings, streams)
                  for i in range(M)]
     for name in states[0]["theta"]:
         rho1, rho2 = states[0]["rho1"][name], states[0]["rho2"][name]
@@ -121,7 +136,8 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             out["masks"][name] = out["sent_masks"][name] = (rows, cols)
             support = torch.outer(rows, cols).reshape(z_old.shape).double()
         v = [d(states[ranks[0]]["v"][name]) for ranks in node_ranks]
-        z = torch.stack([z_i[i] + v[i] for i in range(M)]).mean(0) * support
+        relaxed_z_i = [alpha * z_i[i] + (1 - alpha) * z_old for i in range(M)]
+        z = torch.stack([relaxed_z_i[i] + v[i] for i in range(M)]).mean(0) * support
         # consensus ADMM (Boyd et al. §7.1): every copy counts on both sides. The copies of z_i are the M·P
         # ranks' θ (each rank's own z_i moved), the copies of z are the M nodes' z_i.
         r_intra = math.sqrt(sum(float((d(states[r]["theta"][name]) - z_i[node_of[r]]).pow(2).sum())
@@ -133,11 +149,14 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
         new1 = _adapt(rho1, r_intra, s_intra, rho_max) if adaptive else rho1
         # one node: no inter-node tier to balance (r_inter is 0 by construction)
         new2 = _adapt(rho2, r_inter, s_inter, rho_max) if adaptive and M > 1 else rho2
+        new1 = min(new1 * rho_growth, rho_max)
+        new2 = min(new2 * rho_growth, rho_max) if M > 1 else new2
         for i in range(M):
             out["z_i"][i][name] = z_i[i].float()
-            out["v"][i][name] = ((v[i] + z_i[i] - z) * (rho2 / new2)).float()
+            out["v"][i][name] = ((v[i] + relaxed_z_i[i] - z) * (rho2 / new2)).float()
         for r, s in enumerate(states):
-            out["u"][r][name] = ((d(s["u"][name]) + d(s["theta"][name]) - z_i[node_of[r]]) * (rho1 / new1)).float()
+            out["u"][r][name] = ((d(s["u"][name]) + relaxed_theta[name][r] - z_i[node_of[r]])
+                                 * (rho1 / new1)).float()
         out["z"][name] = z.float()
         out["rho1"][name], out["rho2"][name] = new1, new2
         out["residuals"][name] = (r_intra, s_intra) + ((r_inter, s_inter) if M > 1 else ())
@@ -148,4 +167,8 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             out["z"][name] = out["z"][name] * torch.outer(rows, cols).reshape(out["z"][name].shape)
     for name in states[0]["buffers"]:
         out["buffers"][name] = torch.stack([d(s["buffers"][name]) for s in states]).mean(0).float()
+    # where θ starts the next local steps: the consensus (after the freeze's cut), or where the steps left it
+    out["theta"] = [{name: out["z"][name] if restart == "global" else
+                     out["z_i"][node_of[r]][name] if restart == "node" else s["theta"][name]
+                     for name in s["theta"]} for r, s in enumerate(states)]
     return out

@@ -65,11 +65,12 @@ def test_ranks_compare_every_knob():
     base = ConsensusConfig(sparsity="channel:0.5")
     agreed = base.agreement(Structure.resolve(model, base))
     assert set(agreed) == {"sparsity", "local_steps", "rho", "freezing", "coupled", "bucket_mb", "backend",
-                           "hierarchical"}
+                           "hierarchical", "round"}
     changed = {"sparsity": {"*": "channel:0.5"}, "local_steps": 5, "rho1": 0.1, "rho2": 0.1, "rho_max": 5.0,
                "adaptive_rho": False, "weight_decay_z": 0.1, "freeze_round": 2, "freeze_patience": 9,
                "masked_retrain": False, "coupled": True, "bucket_mb": 1.0, "backend": "gloo",
-               "hierarchical": False}
+               "hierarchical": False, "restart": "global", "relaxation": 1.5, "rho_growth": 1.3,
+               "keep_ramp_rounds": 4}
     assert set(changed) == set(KNOBS)
     for name, value in changed.items():
         other = dataclasses.replace(base, **{name: value})
@@ -78,7 +79,8 @@ def test_ranks_compare_every_knob():
         # the same specs spelled another way resolve alike: not a disagreement
         assert differ == (set() if name == "sparsity" else {dict(rho1="rho", rho2="rho", rho_max="rho",
                           adaptive_rho="rho", weight_decay_z="rho", freeze_round="freezing",
-                          freeze_patience="freezing", masked_retrain="freezing").get(name, name)}), name
+                          freeze_patience="freezing", masked_retrain="freezing", restart="round",
+                          relaxation="round", rho_growth="rho", keep_ramp_rounds="freezing").get(name, name)}), name
 
 
 def test_the_training_config_embeds_the_consensus_and_reads_flat_names():

@@ -27,13 +27,22 @@ CASES = {"channel": ("chain", "channel:0.5", False, cases.CHANNEL, None, ()),
 RUNS = [(layout, "channel") for layout in LAYOUTS] + \
        [(layout, case) for case in ("mixed", "coupled", "streams") for layout in ((2, 2), (2, 3))] + \
        [((2, 2), "coupled-shape")]
+# the accelerations (ConsensusConfig's restart, relaxation, rho_growth, keep_ramp_rounds), each against the
+# reference of the modified math; a ramp of 2 rounds projects round 1 to keep 0.5 + 0.5·(1/2)³
+LEVERS = {"restart-global": dict(restart="global"),
+          "restart-node": dict(restart="node", relaxation=0.7),
+          "relaxed": dict(relaxation=1.6),
+          "all": dict(restart="global", relaxation=1.6, rho_growth=1.3, keep_ramp_rounds=2)}
+LEVER_RUNS = [((2, 2), "channel", "restart-global"), ((2, 3), "channel", "restart-node"),
+              ((2, 2), "mixed", "relaxed"), ((2, 3), "channel", "all"), ((1, 3), "channel", "all"),
+              ((2, 2), "coupled", "all"), ((2, 2), "streams", "all")]
 
 
-def train_on_threads(num_nodes, local_size, kind, sparsity, coupled):
+def train_on_threads(num_nodes, local_size, kind, sparsity, coupled, **knobs):
     """Every rank's snapshots, final model and result after ``cases.ROUNDS`` rounds on the thread cluster."""
     size = num_nodes * local_size
     models = [cases.make_model(kind, r) for r in range(size)]   # here: torch's global RNG is not thread-safe
-    config = ConsensusConfig(sparsity=sparsity, coupled=coupled, **cases.SETTINGS)
+    config = ConsensusConfig(sparsity=sparsity, coupled=coupled, **dict(cases.SETTINGS, **knobs))
     structure = Structure.resolve(models[0], config)
     native.module()   # load the shrink kernel before the ranks race to its first use
     cluster = thread_cluster(num_nodes, local_size, keep_records=True)
@@ -64,11 +73,13 @@ def train_on_threads(num_nodes, local_size, kind, sparsity, coupled):
     return cluster, run_ranks(num_nodes, local_size, rank_run, cluster=cluster), structure.specs
 
 
-@pytest.mark.parametrize("layout,case", RUNS, ids=[f"{m}x{p}-{case}" for (m, p), case in RUNS])
-def test_rounds_match_the_reference(layout, case):
+@pytest.mark.parametrize("layout,case,levers", [(la, c, None) for la, c in RUNS] + LEVER_RUNS,
+                         ids=[f"{m}x{p}-{c}" for (m, p), c in RUNS] + [f"{m}x{p}-{c}-{lv}" for (m, p), c, lv in LEVER_RUNS])
+def test_rounds_match_the_reference(layout, case, levers):
     kind, sparsity, coupled, want_specs, want_pairs, want_streams = CASES[case]
     num_nodes, local_size = layout
-    cluster, runs, specs = train_on_threads(num_nodes, local_size, kind, sparsity, coupled)
+    cluster, runs, specs = train_on_threads(num_nodes, local_size, kind, sparsity, coupled,
+                                            **LEVERS.get(levers, {}))
     assert {n: str(s) for n, s in specs.items()} == want_specs
 
     cases.assert_same_everywhere([run["start"] for run in runs], "after construction")

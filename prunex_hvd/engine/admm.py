@@ -71,6 +71,22 @@ def adapt_rho(rho: float, primal: float, dual: float, rho_max: float, mu: float 
     return min(rho, rho_max)
 
 
+def relax(new: torch.Tensor, old: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Over-relaxation (Boyd et al. 2011, §3.4.3): α·new + (1 − α)·old, the point the next tier and the dual see in
+    place of ``new`` (θ against the old z_i, z_i against the old z). α = 1 is plain ADMM; α ∈ [1.5, 1.8] often
+    converges faster. A new tensor, in ``old``'s dtype."""
+    new = new.to(old.dtype)
+    if alpha == 1.0:
+        return new.clone()
+    return torch.lerp(old, new, alpha)
+
+
+def grow_rho(rho: float, growth: float, rho_max: float) -> float:
+    """The scheduled ρ of the next round: ×``growth`` (ADMM pruning, Zhang et al. 2018, grows ρ 1.3–2× a round so
+    the weights are driven onto the structure), capped at ``rho_max``; ``growth`` = 1 leaves ρ alone."""
+    return min(rho * growth, rho_max) if growth != 1.0 else rho
+
+
 def rescale_dual(dual: torch.Tensor, rho_old: float, rho_new: float) -> torch.Tensor:
     """Keep the unscaled dual y = ρ·u fixed when ρ changes: u ← u·ρ_old/ρ_new."""
     if rho_new != rho_old:

@@ -18,6 +18,7 @@ from . import dependencies
 from .sparsity import StructureSpec, check_layer_types, resolve_specs, stream_keep
 
 COUPLING_MODES = (False, True, "pairs", "streams")
+RESTARTS = ("none", "node", "global")
 
 
 def _knob(default, help: str, agree: Optional[str] = None):
@@ -91,6 +92,13 @@ class ConsensusConfig:
     bucket_mb: float = _knob(32.0, "size of the flat buffers packed for one collective (MB)")
     backend: str = _knob("auto", "auto, mpi, gloo, nccl or horovod")
     hierarchical: bool = _knob(True, "False: one flat consensus over the world group (PruneX (AR))")
+    restart: str = _knob("none", "where θ starts each round's local steps: none (where they left it), node (z_i) "
+                                 "or global (z)", agree="round")
+    relaxation: float = _knob(1.0, "over-relaxation alpha of both tiers, in (0, 2) (1: plain ADMM)", agree="round")
+    rho_growth: float = _knob(1.0, "every rho multiplied by this each round, up to rho_max (1: no schedule)",
+                              agree="rho")
+    keep_ramp_rounds: int = _knob(0, "rounds over which every keep ratio falls from 1 to its target (cubic); "
+                                     "masks freeze only after it (0: target from round 1)", agree="freezing")
 
     def __post_init__(self):
         def integer(name, minimum):
@@ -110,6 +118,15 @@ class ConsensusConfig:
                                               or not isinstance(self.freeze_round, int) or self.freeze_round < 1):
             raise ValueError(f"freeze_round must be None or an integer >= 1, got {self.freeze_round!r}")
         integer("freeze_patience", 1)
+        integer("keep_ramp_rounds", 0)
+        if self.restart not in RESTARTS:
+            raise ValueError(f"restart must be one of {', '.join(RESTARTS)}, got {self.restart!r}")
+        if isinstance(self.relaxation, bool) or not (isinstance(self.relaxation, Real)
+                                                     and 0 < self.relaxation < 2):
+            raise ValueError(f"relaxation must be a number in (0, 2), got {self.relaxation!r}")
+        if isinstance(self.rho_growth, bool) or not (isinstance(self.rho_growth, Real)
+                                                     and math.isfinite(self.rho_growth) and self.rho_growth >= 1):
+            raise ValueError(f"rho_growth must be a finite number >= 1, got {self.rho_growth!r}")
         check_bucket_mb(self.bucket_mb)
         check_backend_name(self.backend)
 

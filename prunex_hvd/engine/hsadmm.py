@@ -13,6 +13,11 @@ Every rank of node i holds the same z_i, v_i and z; leaders (local rank 0) alone
  7. v_i += z_i − z,  u += θ − z_i; the float buffers take the round's average
  8. residuals (r/s intra, r/s inter) per layer; adaptive ρ with dual rescaling
  9. masks frozen when stable, at exactly the requested structure (then θ trains on it: the retraining phase)
+10. with ``restart``, every rank's θ starts the next local steps at the consensus (z, or z_i)
+
+The accelerations (docs/algorithm.md, "Accelerations"): ``relaxation`` α puts α·θ + (1 − α)·z_i (and
+α·z_i + (1 − α)·z) in place of θ (z_i) in the next tier's step and in the dual update; ``rho_growth`` multiplies
+every ρ each round; ``keep_ramp_rounds`` lowers the keep ratios from 1 to their targets over the first rounds.
 
 Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`HSADMM.add_proximal_grad`).
 
@@ -225,15 +230,18 @@ class HSADMM:
         self._adapt_rho(totals, s_inter_sq)           # 8. residuals and adaptive ρ
         self.round += 1
         self._maybe_freeze()                          # 9. freezing
+        self._restart()                               # 10. θ starts the next local steps at the consensus
         return self._report(before, time.perf_counter() - t0, layout.total_numel)
 
     # -- the round's phases ------------------------------------------------------------------------------
     def _intra_sum(self) -> List[bool]:
         """Phase 1: θ + u (and the float buffers) into the dense buckets, summed over the node. Returns this
         rank's own inf/NaN flags, looked for before the sum mixes them in (or a pruned entry hides them)."""
-        n = len(self.entries)
+        n, alpha = len(self.entries), self.config.relaxation
         for k, e in enumerate(self.entries):
-            if self.state_dtype == self.dtype:
+            if alpha != 1.0:   # over-relaxed: α·θ + (1 − α)·z_i in place of θ, formed in the state's dtype
+                self._dense.views[k].copy_(admm.relax(e.param.detach(), e.z_i, alpha).add_(e.u).reshape(-1))
+            elif self.state_dtype == self.dtype:
                 torch.add(e.param.detach().reshape(-1), e.u.reshape(-1), out=self._dense.views[k])
             else:   # added in float32, rounded once to the payload
                 self._dense.views[k].copy_(e.param.detach().reshape(-1)).add_(e.u.reshape(-1))
@@ -256,7 +264,8 @@ class HSADMM:
         frozen, the frozen masks alone."""
         structured_ks = [k for k, e in enumerate(self.entries) if e.structured]
         if not self.frozen:
-            local = self._masks({self.entries[k].name: z_i_new[k] for k in structured_ks})
+            local = self._masks({self.entries[k].name: z_i_new[k] for k in structured_ks},
+                                extra=sparsity.ramp_extra(self.round + 1, self.config.keep_ramp_rounds))
             for k, (rows, cols) in zip(structured_ks, local):
                 z_i_new[k] = sparsity.apply_masks(z_i_new[k], rows, cols)
             self._sync_masks(local)
@@ -271,8 +280,8 @@ class HSADMM:
         n, P = len(self.entries), self.topo.local_size
         layout = self._compact_layout()
         if self.topo.is_leader or not self.inter_tier:
-            for k, e in enumerate(self.entries):
-                c = (z_i_new[k] + e.v).to(self.dtype)   # the payload's dtype, so the packing path stays one pass
+            for k, e in enumerate(self.entries):   # (over-relaxed: α·z_i + (1 − α)·z in place of z_i)
+                c = (self._relaxed_node(z_i_new[k], e) + e.v).to(self.dtype)   # the payload's dtype: one pass
                 if e.structured:
                     sparsity.shrink_into(c, e.row_idx, e.col_idx, layout.views[k], plan=e.plan)
                 else:
@@ -331,27 +340,39 @@ class HSADMM:
     def _update_duals(self, z_i_new, z_new, layout: BucketLayout) -> None:
         """Phase 7: v_i += z_i − z, u += θ − z_i; the new z_i and z; the float buffers averaged in the round
         (kept too: with z they are the consensus model)."""
-        for k, e in enumerate(self.entries):
-            admm.update_dual(e.v, z_i_new[k], z_new[k])
-            admm.update_dual(e.u, e.param.detach(), z_i_new[k])
+        alpha = self.config.relaxation
+        for k, e in enumerate(self.entries):   # (over-relaxed: the relaxed points of the round's steps)
+            admm.update_dual(e.v, self._relaxed_node(z_i_new[k], e), z_new[k])
+            admm.update_dual(e.u, e.param.detach() if alpha == 1.0 else admm.relax(e.param.detach(), e.z_i, alpha),
+                             z_i_new[k])
             e.z_i, e.z = z_i_new[k], z_new[k]
         n = len(self.entries)
         for j, (_, b) in enumerate(self.buffers):
             b.copy_(layout.views[n + j].view_as(b))
             self._round_buffers[j].copy_(b)
 
+    def _relaxed_node(self, z_i_new: torch.Tensor, e: Entry) -> torch.Tensor:
+        """What the z-step and v's update see of the node's new z_i: α·z_i + (1 − α)·z (z_i itself at α = 1)."""
+        alpha = self.config.relaxation
+        return z_i_new if alpha == 1.0 else admm.relax(z_i_new, e.z, alpha)
+
     def _adapt_rho(self, totals: torch.Tensor, s_inter_sq: List[float]) -> None:
         """Phase 8: per-layer residuals; residual balancing of ρ1 (and of ρ2 where there is an inter-node tier),
-        the scaled duals rescaled with them."""
+        then the ``rho_growth`` schedule; the scaled duals rescaled with them."""
         changed = []
+        c = self.config
         for k, e in enumerate(self.entries):
             r_intra, s_intra, r_inter, s_inter = admm.residual_norms(*totals[k].tolist(), s_inter_sq[k])
             e.residuals = {"r_intra": r_intra, "s_intra": s_intra}
             if self.inter_tier:
                 e.residuals.update(r_inter=r_inter, s_inter=s_inter)
-            if self.config.adaptive_rho:
-                rho1 = admm.adapt_rho(e.rho1, r_intra, s_intra, self.config.rho_max)
-                rho2 = admm.adapt_rho(e.rho2, r_inter, s_inter, self.config.rho_max) if self.inter_tier else e.rho2
+            if c.adaptive_rho or c.rho_growth != 1.0:
+                rho1, rho2 = e.rho1, e.rho2
+                if c.adaptive_rho:
+                    rho1 = admm.adapt_rho(rho1, r_intra, s_intra, c.rho_max)
+                    rho2 = admm.adapt_rho(rho2, r_inter, s_inter, c.rho_max) if self.inter_tier else rho2
+                rho1 = admm.grow_rho(rho1, c.rho_growth, c.rho_max)
+                rho2 = admm.grow_rho(rho2, c.rho_growth, c.rho_max) if self.inter_tier else rho2
                 admm.rescale_dual(e.u, e.rho1, rho1)
                 admm.rescale_dual(e.v, e.rho2, rho2)
                 changed += [f"{e.name} {which} {old:.3g}->{new:.3g}" for which, old, new in
@@ -366,9 +387,21 @@ class HSADMM:
         """Phase 9: freeze after ``freeze_round`` rounds or ``freeze_patience`` rounds without a mask change."""
         if not self.frozen:
             self.stable_rounds = self.stable_rounds + 1 if self.mask_drift == 0 else 0
-            if (self.config.freeze_round is not None and self.round >= self.config.freeze_round) or \
-                    self.stable_rounds >= self.config.freeze_patience:
+            ramping = self.round < self.config.keep_ramp_rounds   # the keep ratios have not reached their targets
+            if not ramping and ((self.config.freeze_round is not None and self.round >= self.config.freeze_round)
+                                or self.stable_rounds >= self.config.freeze_patience):
                 self._freeze()
+
+    def _restart(self) -> None:
+        """Phase 10 (``restart``): θ of every rank starts the next round's local steps at the consensus, z
+        (``"global"``) or its node's z_i (``"node"``), as local SGD restarts from the average. Only where the
+        θ-step's inexact solve begins changes: its objective f(θ) + ρ1/2‖θ − z_i + u‖², and so u, keep their
+        meaning. Once frozen with ``masked_retrain``, z is on the structure, so θ is too."""
+        if self.config.restart == "none":
+            return
+        with torch.no_grad():
+            for e in self.entries:
+                e.param.copy_(e.z if self.config.restart == "global" else e.z_i)
 
     def _freeze(self) -> None:
         """Masks stop moving. The OR of the nodes' masks may keep more than was asked, so the frozen structure
@@ -436,11 +469,11 @@ class HSADMM:
         for e, (rows, cols, row_idx, col_idx, plan) in zip(self.structured, masks):
             e.rows, e.cols, e.row_idx, e.col_idx, e.plan = rows, cols, row_idx, col_idx, plan
 
-    def _masks(self, weights: Dict[str, torch.Tensor]) -> List[tuple]:
+    def _masks(self, weights: Dict[str, torch.Tensor], extra: float = 0.0) -> List[tuple]:
         """Π_S's support for every structured entry (in ``self.structured`` order), coupled channel groups
-        (pairs, residual streams) pruned together."""
-        masks = sparsity.coupled_masks(weights, {e.name: e.spec for e in self.structured}, self.couplings,
-                                       self.streams)
+        (pairs, residual streams) pruned together; ``extra`` > 0 loosens every keep ratio (the keep ramp)."""
+        masks = sparsity.coupled_masks(weights, {e.name: sparsity.loosened(e.spec, extra) for e in self.structured},
+                                       self.couplings, self.streams)
         return [masks[e.name] for e in self.structured]
 
     def _sync_masks(self, local) -> None:

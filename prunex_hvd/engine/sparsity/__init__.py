@@ -33,11 +33,11 @@ from .packing import (GatherPlan, KernelPlan, Plan, gather_plan, recover, recove
 from .projection import (apply_masks, coupled_masks, coupled_project, density, gemm_view,
                          masks_to_indices, project, read_channels, square_f32, stream_channels, stream_keep,
                          structured_masks)
-from .spec import (DENSE, KINDS, StructureSpec, check_layer_types, keep_count, parse_spec,
-                   resolve_specs, stages_removing_nothing)
+from .spec import (DENSE, KINDS, StructureSpec, check_layer_types, keep_count, loosened, parse_spec,
+                   ramp_extra, resolve_specs, stages_removing_nothing)
 
 __all__ = ["DENSE", "KINDS", "GatherPlan", "KernelPlan", "Plan", "StructureSpec", "apply_masks", "check_layer_types",
-           "coupled_masks", "coupled_project", "density", "gather_plan", "gemm_view", "keep_count", "masks_to_indices",
-           "parse_spec", "project", "read_channels", "recover", "recover_gather", "resolve_specs", "shrink",
+           "coupled_masks", "coupled_project", "density", "gather_plan", "gemm_view", "keep_count", "loosened", "masks_to_indices",
+           "parse_spec", "ramp_extra", "project", "read_channels", "recover", "recover_gather", "resolve_specs", "shrink",
            "shrink_into", "square_f32", "stages_removing_nothing", "stream_channels", "stream_keep",
            "structured_masks"]

@@ -1,0 +1,169 @@
+"""Accuracy per epoch: PruneX (each lever on and off) against local SGD, hierarchical local SGD, DiLoCo and dense.
+
+    python benchmarks/bench_learning.py --tasks digits --variants prunex,prunex-restart,localsgd \
+        --seeds 0,1 [--jobs 2] [--launcher mpirun|torchrun] [--out runs/learning]
+    python benchmarks/bench_learning.py --list          # the tasks and variants
+
+Every run is ``prunex-hvd train`` on 4 ranks as 2 emulated nodes × 2 (``PRUNEX_RANKS_PER_NODE=2``), one round
+per epoch, with its task's shared recipe (model, data, epochs, batch, lr, ρ's, freeze point): a variant only
+adds its own flags, so every method sees the same round period and the same user recipe. ``--jobs N`` runs N
+jobs side by side (on a 16-core host 4 jobs of 4 single-thread ranks fill it; here keep 1).
+
+Per run the JSON has the test accuracy of the consensus model after every round (``curve``: epoch, accuracy),
+the first epoch reaching each of the task's targets (``epochs_to``; null if never), the final accuracy, the
+density and the inter-node bytes. Per (task, variant) it has the mean over seeds (``summary``). Each run's
+folder (``<out>/<task>/<variant>-s<seed>``) is a normal run: ``prunex-hvd report`` draws the curves.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchjson import emit  # noqa: E402
+
+# the shared recipe of each task: what a user would run, the same for every method
+TASKS: Dict[str, dict] = {
+    # make demo's task: 1,797 real handwritten digits, 16×16
+    "digits": dict(args="--model resnet_small --dataset digits --epochs 24 --batch-size 16 --lr 0.05 "
+                        "--local-epochs 1 --freeze-round 8", targets=(0.90, 0.95, 0.97)),
+    # a CIFAR-size input and a deeper net on generated data: noisy low-frequency templates, 32×32×3
+    "synthetic": dict(args="--model resnet_small --dataset synthetic --image-size 32 --epochs 16 --batch-size 32 "
+                           "--lr 0.05 --local-epochs 1 --freeze-round 6", targets=(0.5, 0.7, 0.8)),
+    # ResNet-18 on CIFAR-size generated data (the emulated cluster's model; minutes per run on 2 cores)
+    "synthetic-r18": dict(args="--model resnet18 --dataset synthetic --image-size 32 --epochs 8 --batch-size 32 "
+                               "--lr 0.05 --local-epochs 1 --freeze-round 3", targets=(0.5, 0.7, 0.8)),
+}
+
+PRUNEX = "--method prunex --sparsity channel:0.5"
+VARIANTS: Dict[str, str] = {
+    "dense": "--method dense",
+    "localsgd": "--method localsgd",
+    "localsgd-hier": "--method localsgd-hier",
+    "diloco": "--method diloco",
+    "pactrain": "--method pactrain --sparsity channel:0.5",
+    # PruneX as it was before the levers: θ where its local steps left it, the demo's ρ's
+    "prunex-plain": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart none",
+    "prunex-dense-plain": "--method prunex --sparsity dense --rho1 0.01 --rho2 0.001 --restart none",
+    "prunex-restart": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global",
+    "prunex-restart-node": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart node",
+    "prunex-dense-restart": "--method prunex --sparsity dense --rho1 0.01 --rho2 0.001 --restart global",
+    "prunex-relax": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --relaxation 1.6",
+    "prunex-relax-norestart": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart none --relaxation 1.6",
+    "prunex-ramp": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --keep-ramp-rounds 6",
+    "prunex-grow": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --rho-growth 1.3 --no-adaptive-rho",
+    "prunex-coupled-restart": PRUNEX + " --coupled --rho1 0.01 --rho2 0.001 --restart global",
+    # the command line's defaults (whatever they are now)
+    "prunex": PRUNEX,
+    "prunex-dense": "--method prunex --sparsity dense",
+}
+
+
+def epochs_to(curve: List[list], target: float):
+    return next((e for e, a in curve if a is not None and a >= target), None)
+
+
+def read_run(run_dir: str, targets) -> dict:
+    curve, final = [], None
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("event") == "round" and rec.get("test_acc") is not None:
+                curve.append([round(rec["epoch"], 4), rec["test_acc"]])
+            elif rec.get("event") == "final":
+                final = rec
+    return {"curve": curve, "epochs_to": {str(t): epochs_to(curve, t) for t in targets},
+            "final_acc": final and final.get("test_acc"), "density": final and final.get("density"),
+            "inter_bytes": final and final.get("inter_bytes"), "wall_s": final and final.get("wall_s")}
+
+
+def launch_command(launcher: str, python: str, train_args: List[str]) -> List[str]:
+    if launcher == "torchrun":
+        return [python, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", "0",
+                "-m", "prunex_hvd.app.cli"] + train_args
+    return ["mpirun", "-np", "4", "-x", "PRUNEX_RANKS_PER_NODE", "-x", "OMP_NUM_THREADS", python, "-m",
+            "prunex_hvd.app.cli"] + train_args
+
+
+def run_one(task: str, variant: str, seed: int, args) -> dict:
+    spec = TASKS[task]
+    run_dir = os.path.join(args.out, task, f"{variant}-s{seed}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    train_args = ["train"] + spec["args"].split() + VARIANTS[variant].split() + \
+        ["--seed", str(seed), "--threads", str(args.threads), "--no-progress", "--checkpoint-every", "0",
+         "--out", run_dir] + args.extra.split()
+    env = dict(os.environ, PRUNEX_RANKS_PER_NODE="2", OMP_NUM_THREADS=str(args.threads),
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
+               OMPI_MCA_btl="self,vader,tcp", OMPI_MCA_btl_tcp_if_include="lo", OMPI_MCA_oob_tcp_if_include="lo")
+    t0 = time.perf_counter()
+    with open(run_dir + ".log", "w") as log:
+        proc = subprocess.run(launch_command(args.launcher, args.python, train_args), env=env, stdout=log,
+                              stderr=subprocess.STDOUT, timeout=args.run_timeout)
+    rec = {"task": task, "variant": variant, "seed": seed, "flags": VARIANTS[variant], "rc": proc.returncode,
+           "seconds": round(time.perf_counter() - t0, 1)}
+    if proc.returncode == 0:
+        rec.update(read_run(run_dir, spec["targets"]))
+    print(f"{task} {variant} s{seed}: rc {proc.returncode}, final {rec.get('final_acc')}, "
+          f"epochs to {rec.get('epochs_to')} ({rec['seconds']} s)", file=sys.stderr, flush=True)
+    return rec
+
+
+def summarize(runs: List[dict]) -> List[dict]:
+    out = []
+    for key in sorted({(r["task"], r["variant"]) for r in runs}, key=lambda k: (k[0], list(VARIANTS).index(k[1]))):
+        rs = [r for r in runs if (r["task"], r["variant"]) == key and r["rc"] == 0]
+        if not rs:
+            out.append({"task": key[0], "variant": key[1], "runs": 0})
+            continue
+        targets = TASKS[key[0]]["targets"]
+        mean = lambda xs: None if any(x is None for x in xs) else sum(xs) / len(xs)  # noqa: E731
+        n = min(len(r["curve"]) for r in rs)
+        out.append({"task": key[0], "variant": key[1], "runs": len(rs),
+                    "final_acc": mean([r["final_acc"] for r in rs]),
+                    "epochs_to": {str(t): mean([r["epochs_to"][str(t)] for r in rs]) for t in targets},
+                    "reached": {str(t): sum(r["epochs_to"][str(t)] is not None for r in rs) for t in targets},
+                    "acc_by_epoch": [[rs[0]["curve"][i][0], mean([r["curve"][i][1] for r in rs])] for i in range(n)],
+                    "density": mean([r["density"] for r in rs]), "inter_bytes": mean([r["inter_bytes"] for r in rs])})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tasks", default="digits")
+    ap.add_argument("--variants", default="localsgd,prunex-plain,prunex")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--jobs", type=int, default=1, help="jobs side by side")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--launcher", default="mpirun", choices=("mpirun", "torchrun"))
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--extra", default="", help="flags added to every run")
+    ap.add_argument("--run-timeout", type=float, default=3600)
+    ap.add_argument("--out", default="runs/learning")
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args(argv)
+    if args.list:
+        print(json.dumps({"tasks": TASKS, "variants": VARIANTS}, indent=1))
+        return 0
+    for name, known in (("tasks", TASKS), ("variants", VARIANTS)):
+        unknown = [v for v in getattr(args, name).split(",") if v not in known]
+        if unknown:
+            ap.error(f"unknown {name} {unknown}; known: {', '.join(known)}")
+    jobs = [(t, v, int(s)) for t in args.tasks.split(",") for s in args.seeds.split(",")
+            for v in args.variants.split(",")]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        runs = list(pool.map(lambda j: run_one(*j, args), jobs))
+    emit({"bench": "learning", "launcher": args.launcher, "threads_per_rank": args.threads, "runs": runs,
+          "summary": summarize(runs)}, os.path.join(args.out, "learning.json"))
+    return 0 if all(r["rc"] == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
