@@ -35,8 +35,8 @@ TASKS: Dict[str, dict] = {
     "digits": dict(args="--model resnet_small --dataset digits --epochs 24 --batch-size 16 --lr 0.05 "
                         "--local-epochs 1 --freeze-round 8", targets=(0.90, 0.95, 0.97)),
     # a CIFAR-size input and a deeper net on generated data: noisy low-frequency templates, 32×32×3
-    "synthetic": dict(args="--model resnet_small --dataset synthetic --image-size 32 --epochs 16 --batch-size 32 "
-                           "--lr 0.05 --local-epochs 1 --freeze-round 6", targets=(0.5, 0.7, 0.8)),
+    "synthetic": dict(args="--model resnet_small --dataset synthetic --image-size 16 --epochs 16 --batch-size 32 "
+                           "--lr 0.05 --local-epochs 1 --freeze-round 5", targets=(0.5, 0.7, 0.8)),
     # ResNet-18 on CIFAR-size generated data (the emulated cluster's model; minutes per run on 2 cores)
     "synthetic-r18": dict(args="--model resnet18 --dataset synthetic --image-size 32 --epochs 8 --batch-size 32 "
                                "--lr 0.05 --local-epochs 1 --freeze-round 3", targets=(0.5, 0.7, 0.8)),
@@ -60,6 +60,19 @@ VARIANTS: Dict[str, str] = {
     "prunex-ramp": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --keep-ramp-rounds 6",
     "prunex-grow": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --rho-growth 1.3 --no-adaptive-rho",
     "prunex-coupled-restart": PRUNEX + " --coupled --rho1 0.01 --rho2 0.001 --restart global",
+    "prunex-grow-adaptive": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --rho-growth 1.3",
+    "prunex-relax-grow": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --relaxation 1.6 --rho-growth 1.3 "
+                                  "--no-adaptive-rho",
+    "prunex-relax13": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --relaxation 1.3",
+    "prunex-relax-ramp": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --relaxation 1.6 --keep-ramp-rounds 4",
+    "prunex-dense-grow": "--method prunex --sparsity dense --rho1 0.01 --rho2 0.001 --restart global "
+                         "--rho-growth 1.3 --no-adaptive-rho",
+    "prunex-grow-relax13": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --rho-growth 1.3 --no-adaptive-rho "
+                                    "--relaxation 1.3",
+    "prunex-dense-grow-relax13": "--method prunex --sparsity dense --rho1 0.01 --rho2 0.001 --restart global "
+                                 "--rho-growth 1.3 --no-adaptive-rho --relaxation 1.3",
+    "prunex-dense-relax": "--method prunex --sparsity dense --rho1 0.01 --rho2 0.001 --restart global "
+                          "--relaxation 1.6",
     # the command line's defaults (whatever they are now)
     "prunex": PRUNEX,
     "prunex-dense": "--method prunex --sparsity dense",
@@ -86,7 +99,7 @@ def read_run(run_dir: str, targets) -> dict:
 
 def launch_command(launcher: str, python: str, train_args: List[str]) -> List[str]:
     if launcher == "torchrun":
-        return [python, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", "0",
+        return [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                 "-m", "prunex_hvd.app.cli"] + train_args
     return ["mpirun", "-np", "4", "-x", "PRUNEX_RANKS_PER_NODE", "-x", "OMP_NUM_THREADS", python, "-m",
             "prunex_hvd.app.cli"] + train_args
@@ -111,6 +124,8 @@ def run_one(task: str, variant: str, seed: int, args) -> dict:
            "seconds": round(time.perf_counter() - t0, 1)}
     if proc.returncode == 0:
         rec.update(read_run(run_dir, spec["targets"]))
+    with open(os.path.join(args.out, "runs.jsonl"), "a") as f:   # kept as they finish: a cut-off sweep keeps them
+        f.write(json.dumps(rec) + "\n")
     print(f"{task} {variant} s{seed}: rc {proc.returncode}, final {rec.get('final_acc')}, "
           f"epochs to {rec.get('epochs_to')} ({rec['seconds']} s)", file=sys.stderr, flush=True)
     return rec
@@ -156,6 +171,7 @@ def main(argv=None) -> int:
         unknown = [v for v in getattr(args, name).split(",") if v not in known]
         if unknown:
             ap.error(f"unknown {name} {unknown}; known: {', '.join(known)}")
+    os.makedirs(args.out, exist_ok=True)
     jobs = [(t, v, int(s)) for t in args.tasks.split(",") for s in args.seeds.split(",")
             for v in args.variants.split(",")]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:

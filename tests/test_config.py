@@ -69,7 +69,7 @@ def test_ranks_compare_every_knob():
     changed = {"sparsity": {"*": "channel:0.5"}, "local_steps": 5, "rho1": 0.1, "rho2": 0.1, "rho_max": 5.0,
                "adaptive_rho": False, "weight_decay_z": 0.1, "freeze_round": 2, "freeze_patience": 9,
                "masked_retrain": False, "coupled": True, "bucket_mb": 1.0, "backend": "gloo",
-               "hierarchical": False, "restart": "global", "relaxation": 1.5, "rho_growth": 1.3,
+               "hierarchical": False, "restart": "node", "relaxation": 1.5, "rho_growth": 1.3,
                "keep_ramp_rounds": 4}
     assert set(changed) == set(KNOBS)
     for name, value in changed.items():
@@ -120,8 +120,14 @@ def test_every_knob_but_the_methods_own_is_a_flag_with_the_recipe_default():
     argv = ["train", "--rho1", "0.3", "--no-adaptive-rho", "--no-masked-retrain", "--coupled-streams",
             "--bucket-mb", "2", "--backend", "gloo", "--local-steps", "6", "--freeze-round", "4",
             "--freeze-patience", "5", "--weight-decay-z", "0.1", "--rho-max", "3", "--rho2", "0.2",
-            "--sparsity", '{"*": "filter:0.5"}']
+            "--sparsity", '{"*": "filter:0.5"}', "--restart", "node", "--relaxation", "1.5", "--rho-growth", "1.2",
+            "--keep-ramp-rounds", "2"]
     got = cli._train_config(parser.parse_args(argv)).consensus
     assert got == ConsensusConfig(sparsity={"*": "filter:0.5"}, local_steps=6, rho1=0.3, rho2=0.2, rho_max=3.0,
                                   adaptive_rho=False, weight_decay_z=0.1, freeze_round=4, freeze_patience=5,
-                                  masked_retrain=False, coupled="streams", bucket_mb=2.0, backend="gloo")
+                                  masked_retrain=False, coupled="streams", bucket_mb=2.0, backend="gloo",
+                                  restart="node", relaxation=1.5, rho_growth=1.2, keep_ramp_rounds=2)
+    # a switch the recipe leaves off is turned on by its plain flag
+    assert cli._train_config(parser.parse_args(["train", "--adaptive-rho"])).consensus.adaptive_rho is True
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--restart", "sometimes"])

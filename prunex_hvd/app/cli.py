@@ -244,8 +244,11 @@ _FLAGS = {
     "freeze_round": dict(type=_freeze_round, default="auto",
                          help="round after which masks freeze: N, auto (a third of the planned rounds) or none "
                               "(only --freeze-patience)"),
-    "adaptive_rho": dict(help="keep every rho fixed (no balancing of primal and dual residuals per layer)"),
-    "masked_retrain": dict(help="after freezing, let θ leave the frozen structure (only z is masked)"),
+    "adaptive_rho": dict(help="balance primal and dual residuals per layer by rescaling rho (--no-adaptive-rho: "
+                              "every rho fixed, or on the --rho-growth schedule)"),
+    "masked_retrain": dict(help="after freezing, keep θ on the frozen structure (--no-masked-retrain: only z is "
+                                "masked)"),
+    "restart": dict(choices=("none", "node", "global")),
     "backend": dict(group="job"),
     "hierarchical": None,   # the method decides: prunex or prunex-flat
 }
@@ -274,11 +277,13 @@ def _consensus_flags(groups: dict) -> None:
                            help="--coupled, and every residual stream one channel group: all convs reading and "
                                 "writing it drop the same channels (readers' channel:K), so export removes all of "
                                 "them")
-        elif default is True:
-            g.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=special.get("help", text))
+        elif f.type == "bool":   # --name / --no-name, the recipe's value by default
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                           help=special.get("help", text))
         else:
             kind = special.get("type", {"float": float, "int": int}.get(f.type))   # annotations are strings
-            g.add_argument(flag, type=kind, default=special.get("default", default), help=special.get("help", text))
+            g.add_argument(flag, type=kind, default=special.get("default", default), help=special.get("help", text),
+                           **({"choices": special["choices"]} if "choices" in special else {}))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,9 +36,13 @@ from . import checkpoint, methods, models
 from .data import ShardedLoader, load_dataset
 
 
-# the paper's rho1 = 1.5e-3 / rho2 = 1.5e-4 need its ~60 rounds to couple the nodes; these reach consensus
-# within a few rounds (measured on digits, 2×2 ranks)
-RECIPE = ConsensusConfig(rho1=0.01, rho2=0.01)
+# The trainer's recipe, chosen by measurement (benchmarks/README.md, "Accuracy per epoch"; digits 5 seeds and
+# synthetic 2 seeds, 2×2 ranks, one round per epoch): every rank restarts at z each round, ρ grows 1.3× a round
+# from 0.01 / 0.001 instead of residual balancing, and both tiers are over-relaxed by 1.3. On digits at
+# channel:0.5 it reaches 95% in 9.8 epochs (the paper's plain round with adaptive ρ: 13.7) and ends at 99.06%
+# (plain: 98.33%; local SGD, dense: 99.33%).
+RECIPE = ConsensusConfig(rho1=0.01, rho2=0.001, adaptive_rho=False, rho_growth=1.3, relaxation=1.3,
+                         restart="global")
 AUTO_FREEZE = 1 / 3   # --freeze-round auto: masks move for the first third, the rest retrains the structure
 
 
