@@ -371,12 +371,12 @@ class HSADMM:
                 if c.adaptive_rho:
                     rho1 = admm.adapt_rho(rho1, r_intra, s_intra, c.rho_max)
                     rho2 = admm.adapt_rho(rho2, r_inter, s_inter, c.rho_max) if self.inter_tier else rho2
-                rho1 = admm.grow_rho(rho1, c.rho_growth, c.rho_max)
+                    changed += [f"{e.name} {which} {old:.3g}->{new:.3g}" for which, old, new in
+                                (("rho1", e.rho1, rho1), ("rho2", e.rho2, rho2)) if new != old]
+                rho1 = admm.grow_rho(rho1, c.rho_growth, c.rho_max)   # the schedule: not logged, it is known
                 rho2 = admm.grow_rho(rho2, c.rho_growth, c.rho_max) if self.inter_tier else rho2
                 admm.rescale_dual(e.u, e.rho1, rho1)
                 admm.rescale_dual(e.v, e.rho2, rho2)
-                changed += [f"{e.name} {which} {old:.3g}->{new:.3g}" for which, old, new in
-                            (("rho1", e.rho1, rho1), ("rho2", e.rho2, rho2)) if new != old]
                 e.rho1, e.rho2 = rho1, rho2
         if changed and self.topo.rank == 0:
             shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
