@@ -42,39 +42,43 @@ TASKS: Dict[str, dict] = {
                                "--lr 0.05 --local-epochs 1 --freeze-round 3", targets=(0.5, 0.7, 0.8)),
 }
 
-PRUNEX = "--method prunex --sparsity channel:0.5"
+# The paper's round as measured: θ stays, adaptive ρ from the demo's 0.01 / 0.001, no relaxation, growth or ramp.
+# Every PruneX variant spells all of these, then its levers (argparse keeps the last value), so it means what the
+# tables in benchmarks/README.md say whatever the command line's recipe is.
+PAPER_ROUND = "--rho1 0.01 --rho2 0.001 --adaptive-rho --restart none --relaxation 1 --rho-growth 1 --keep-ramp-rounds 0"
+
+
+def prunex(sparsity: str = "channel:0.5", levers: str = "") -> str:
+    return f"--method prunex --sparsity {sparsity} {PAPER_ROUND} {levers}".strip()
+
+
+GROW = "--rho-growth 1.3 --no-adaptive-rho"
 VARIANTS: Dict[str, str] = {
     "dense": "--method dense",
     "localsgd": "--method localsgd",
     "localsgd-hier": "--method localsgd-hier",
     "diloco": "--method diloco",
     "pactrain": "--method pactrain --sparsity channel:0.5",
-    # PruneX as it was before the levers: θ where its local steps left it, the demo's ρ's
-    "prunex-plain": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart none",
-    "prunex-dense-plain": "--method prunex --sparsity dense --rho1 0.01 --rho2 0.001 --restart none",
-    "prunex-restart": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global",
-    "prunex-restart-node": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart node",
-    "prunex-dense-restart": "--method prunex --sparsity dense --rho1 0.01 --rho2 0.001 --restart global",
-    "prunex-relax": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --relaxation 1.6",
-    "prunex-relax-norestart": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart none --relaxation 1.6",
-    "prunex-ramp": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --keep-ramp-rounds 6",
-    "prunex-grow": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --rho-growth 1.3 --no-adaptive-rho",
-    "prunex-coupled-restart": PRUNEX + " --coupled --rho1 0.01 --rho2 0.001 --restart global",
-    "prunex-grow-adaptive": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --rho-growth 1.3",
-    "prunex-relax-grow": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --relaxation 1.6 --rho-growth 1.3 "
-                                  "--no-adaptive-rho",
-    "prunex-relax13": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --relaxation 1.3",
-    "prunex-relax-ramp": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --relaxation 1.6 --keep-ramp-rounds 4",
-    "prunex-dense-grow": "--method prunex --sparsity dense --rho1 0.01 --rho2 0.001 --restart global "
-                         "--rho-growth 1.3 --no-adaptive-rho",
-    "prunex-grow-relax13": PRUNEX + " --rho1 0.01 --rho2 0.001 --restart global --rho-growth 1.3 --no-adaptive-rho "
-                                    "--relaxation 1.3",
-    "prunex-dense-grow-relax13": "--method prunex --sparsity dense --rho1 0.01 --rho2 0.001 --restart global "
-                                 "--rho-growth 1.3 --no-adaptive-rho --relaxation 1.3",
-    "prunex-dense-relax": "--method prunex --sparsity dense --rho1 0.01 --rho2 0.001 --restart global "
-                          "--relaxation 1.6",
+    "prunex-plain": prunex(),
+    "prunex-dense-plain": prunex("dense"),
+    "prunex-restart": prunex(levers="--restart global"),
+    "prunex-restart-node": prunex(levers="--restart node"),
+    "prunex-dense-restart": prunex("dense", "--restart global"),
+    "prunex-relax": prunex(levers="--restart global --relaxation 1.6"),
+    "prunex-relax-norestart": prunex(levers="--relaxation 1.6"),
+    "prunex-ramp": prunex(levers="--restart global --keep-ramp-rounds 6"),
+    "prunex-grow": prunex(levers=f"--restart global {GROW}"),
+    "prunex-coupled-restart": prunex(levers="--coupled --restart global"),
+    "prunex-grow-adaptive": prunex(levers="--restart global --rho-growth 1.3"),
+    "prunex-relax-grow": prunex(levers=f"--restart global --relaxation 1.6 {GROW}"),
+    "prunex-relax13": prunex(levers="--restart global --relaxation 1.3"),
+    "prunex-relax-ramp": prunex(levers="--restart global --relaxation 1.6 --keep-ramp-rounds 4"),
+    "prunex-dense-grow": prunex("dense", f"--restart global {GROW}"),
+    "prunex-grow-relax13": prunex(levers=f"--restart global {GROW} --relaxation 1.3"),   # = the recipe
+    "prunex-dense-grow-relax13": prunex("dense", f"--restart global {GROW} --relaxation 1.3"),
+    "prunex-dense-relax": prunex("dense", "--restart global --relaxation 1.6"),
     # the command line's defaults (whatever they are now)
-    "prunex": PRUNEX,
+    "prunex": "--method prunex --sparsity channel:0.5",
     "prunex-dense": "--method prunex --sparsity dense",
 }
 

@@ -248,7 +248,6 @@ _FLAGS = {
                               "every rho fixed, or on the --rho-growth schedule)"),
     "masked_retrain": dict(help="after freezing, keep θ on the frozen structure (--no-masked-retrain: only z is "
                                 "masked)"),
-    "restart": dict(choices=("none", "node", "global")),
     "backend": dict(group="job"),
     "hierarchical": None,   # the method decides: prunex or prunex-flat
 }
@@ -259,7 +258,7 @@ def _consensus_flags(groups: dict) -> None:
     trainer's recipe (``train.RECIPE``) as defaults; each lands in ``groups[its group]`` (default
     ``"consensus"``); knobs whose group is not in ``groups`` are left to another call."""
     from prunex_hvd.app.train import RECIPE
-    from prunex_hvd.engine.config import ConsensusConfig
+    from prunex_hvd.engine.config import RESTARTS, ConsensusConfig
 
     for f in dataclasses.fields(ConsensusConfig):
         special = _FLAGS.get(f.name, {})
@@ -283,7 +282,7 @@ def _consensus_flags(groups: dict) -> None:
         else:
             kind = special.get("type", {"float": float, "int": int}.get(f.type))   # annotations are strings
             g.add_argument(flag, type=kind, default=special.get("default", default), help=special.get("help", text),
-                           **({"choices": special["choices"]} if "choices" in special else {}))
+                           choices=RESTARTS if f.name == "restart" else None)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -240,7 +240,7 @@ class HSADMM:
         n, alpha = len(self.entries), self.config.relaxation
         for k, e in enumerate(self.entries):
             if alpha != 1.0:   # over-relaxed: α·θ + (1 − α)·z_i in place of θ, formed in the state's dtype
-                self._dense.views[k].copy_(admm.relax(e.param.detach(), e.z_i, alpha).add_(e.u).reshape(-1))
+                self._dense.views[k].copy_(self._relaxed_theta(e).add_(e.u).reshape(-1))
             elif self.state_dtype == self.dtype:
                 torch.add(e.param.detach().reshape(-1), e.u.reshape(-1), out=self._dense.views[k])
             else:   # added in float32, rounded once to the payload
@@ -340,16 +340,20 @@ class HSADMM:
     def _update_duals(self, z_i_new, z_new, layout: BucketLayout) -> None:
         """Phase 7: v_i += z_i − z, u += θ − z_i; the new z_i and z; the float buffers averaged in the round
         (kept too: with z they are the consensus model)."""
-        alpha = self.config.relaxation
         for k, e in enumerate(self.entries):   # (over-relaxed: the relaxed points of the round's steps)
             admm.update_dual(e.v, self._relaxed_node(z_i_new[k], e), z_new[k])
-            admm.update_dual(e.u, e.param.detach() if alpha == 1.0 else admm.relax(e.param.detach(), e.z_i, alpha),
-                             z_i_new[k])
+            admm.update_dual(e.u, self._relaxed_theta(e), z_i_new[k])
             e.z_i, e.z = z_i_new[k], z_new[k]
         n = len(self.entries)
         for j, (_, b) in enumerate(self.buffers):
             b.copy_(layout.views[n + j].view_as(b))
             self._round_buffers[j].copy_(b)
+
+    def _relaxed_theta(self, e: Entry) -> torch.Tensor:
+        """What the z_i-step and u's update see of θ: α·θ + (1 − α)·z_i, with this round's old z_i (θ itself at
+        α = 1, not a copy)."""
+        alpha = self.config.relaxation
+        return e.param.detach() if alpha == 1.0 else admm.relax(e.param.detach(), e.z_i, alpha)
 
     def _relaxed_node(self, z_i_new: torch.Tensor, e: Entry) -> torch.Tensor:
         """What the z-step and v's update see of the node's new z_i: α·z_i + (1 − α)·z (z_i itself at α = 1)."""
