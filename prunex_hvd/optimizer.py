@@ -57,6 +57,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._engine.finalized:
             raise RuntimeError("step() after finalize(): finalize() ends training and leaves the consensus model "
                                "in place; to evaluate mid-run without ending it, use consensus_weights()")
+        self._engine.sync_node_grads()
         self._engine.add_proximal_grad()
         loss = super(self.__class__, self).step()
         self._engine.after_step()

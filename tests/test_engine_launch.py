@@ -36,6 +36,15 @@ def test_engine_mpirun_gloo_composite_specs(tmp_path):
     check(proc, tmp_path, MIXED)
 
 
+@needs_mpirun
+def test_engine_mpirun_node_sync(tmp_path):
+    """node_sync under a real launch: the ranks of each node hold one θ before every round (the worker checks),
+    the rounds still match the reference, and nothing more crosses nodes (check_results' byte counts)."""
+    proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "mpi", "--node-sync", "--out", str(tmp_path)),
+                      ["PRUNEX_RANKS_PER_NODE=2"]))
+    check(proc, tmp_path, CHANNEL)
+
+
 @needs_horovod
 def test_engine_horovodrun_horovod(tmp_path):
     proc = run(horovodrun(4, "localhost:2,127.0.0.1:2",

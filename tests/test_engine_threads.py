@@ -9,6 +9,8 @@ construction and after finalize(), and checks each rank's own ledger (tests/engi
 import json
 
 import pytest
+import torch
+from torch import nn
 
 import engine_cases as cases
 from prunex_hvd.dist.comm.threads import thread_cluster
@@ -53,6 +55,7 @@ def train_on_threads(num_nodes, local_size, kind, sparsity, coupled, **knobs):
         opt = cases.sgd(model)
 
         def step():   # what the wrapped optimizer's step() does
+            eng.sync_node_grads()
             eng.add_proximal_grad()
             opt.step()
             eng.after_step()
@@ -96,3 +99,108 @@ def test_rounds_match_the_reference(layout, case, levers):
             crossing = rec.tier == "inter" and num_nodes > 1
             want = cases.ring_allreduce_bytes(rec.payload_bytes, num_nodes) if crossing else 0
             assert rec.cross_node_bytes == want, (rank.topo.rank, rec)
+
+
+def reference_node_steps(runs, node_ranks, kind, rho_of):
+    """node_sync's local steps in one process: per node one model and one SGD, each step the mean of the node's
+    ranks' data gradients (each on its own batch) plus ρ1(θ − z_i + u), masked once frozen, as in Eq. 8; the
+    rounds themselves come from the engine's own snapshots (θ restarts at the round's θ). Returns, per round
+    and node, θ just before the round."""
+    out = []
+    models = {i: cases.make_model(kind, 0) for i in range(len(node_ranks))}
+    for i, ranks in enumerate(node_ranks):
+        models[i].load_state_dict(runs[ranks[0]]["start"])
+    opts = {i: cases.sgd(m) for i, m in models.items()}
+    batches = {r: cases.rank_batch(r) for ranks in node_ranks for r in ranks}
+    eng = runs[0]["engine"]
+    state = {i: None for i in models}   # the node's state after the last round (None: the initial one)
+    for rnd in range(cases.ROUNDS):
+        out.append({})
+        for i, ranks in enumerate(node_ranks):
+            model, opt, prev = models[i], opts[i], state[i]
+            params = dict(model.named_parameters())
+            for _ in range(cases.LOCAL_STEPS):
+                model.zero_grad()
+                grads = {n: torch.zeros_like(p) for n, p in params.items()}
+                for r in ranks:
+                    x, y = batches[r]
+                    g = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(params.values()))
+                    for n, gn in zip(params, g):
+                        grads[n] += gn / len(ranks)
+                for n, p in params.items():
+                    u = prev["u"][n] if prev else torch.zeros_like(p)
+                    z_i = prev["z_i"][n] if prev else runs[ranks[0]]["start"][n]
+                    rho1 = prev["rho1"][n] if prev else rho_of
+                    p.grad = grads[n] + rho1 * (p.detach() - z_i + u)
+                    if prev and prev["frozen"] and n in prev["masks"]:
+                        p.grad.mul_(_support(p, prev["masks"][n]))
+                opt.step()
+                if prev and prev["frozen"]:
+                    with torch.no_grad():
+                        for n, (rows, cols) in prev["masks"].items():
+                            params[n].mul_(_support(params[n], (rows, cols)))
+            out[rnd][i] = {n: p.detach().clone() for n, p in params.items()}
+            state[i] = runs[ranks[0]]["after"][rnd]
+            with torch.no_grad():   # the next round's steps start where the engine's round left θ
+                for n, p in params.items():
+                    p.copy_(state[i]["theta"][n])
+    return out
+
+
+def _support(p, masks):
+    from prunex_hvd.engine.sparsity import apply_masks
+    return apply_masks(torch.ones_like(p), *masks)
+
+
+@pytest.mark.parametrize("layout", [(2, 2), (2, 3), (1, 3)], ids=lambda la: f"{la[0]}x{la[1]}")
+def test_node_sync_steps_match_the_reference(layout):
+    """node_sync: the ranks of a node take the node's mean gradient, so they hold one θ, which follows the
+    single-process reference of data-parallel steps within the node; the rounds still match reference_round,
+    and the node's gradient allreduces are counted on the intra tier only."""
+    num_nodes, local_size = layout
+    cluster, runs, _ = train_on_threads(num_nodes, local_size, "chain", "channel:0.5", False, node_sync=True)
+    node_ranks, eng = cluster[0].topo.node_ranks, runs[0]["engine"]
+    want = reference_node_steps(runs, node_ranks, "chain", cases.SETTINGS["rho1"])
+    for rnd in range(cases.ROUNDS):
+        for i, ranks in enumerate(node_ranks):
+            for r in ranks:
+                for name, theta in runs[r]["before"][rnd]["theta"].items():
+                    cases.compare(f"round {rnd} rank {r} theta[{name}] before the round", theta, want[rnd][i][name])
+        cases.check_round(rnd, [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs],
+                          node_ranks, eng)
+    syncs = [rec for rank in cluster for rec in rank.ledger.records if rec.tag == "node-sync"]
+    assert len(syncs) == len(runs) * cases.ROUNDS * cases.LOCAL_STEPS * len(runs[0]["engine"]._grads.buffers)
+    assert all(rec.tier == "intra" and rec.cross_node_bytes == 0 for rec in syncs)
+    for rank, run in zip(cluster, runs):   # counted in the engine's intra bytes, beside the rounds' own
+        own = sum(rec.wire_bytes for rec in rank.ledger.records if rec.tag == "node-sync")
+        assert run["engine"].bytes["intra"] >= own > (0 if local_size > 1 else -1)
+
+
+def test_node_sync_without_it_is_local():
+    """Without node_sync the ranks of a node step apart (the paper's local steps), so the test above can fail."""
+    cluster, runs, _ = train_on_threads(2, 2, "chain", "channel:0.5", False)
+    before = [run["before"][0]["theta"] for run in runs]
+    assert any(not torch.equal(before[0][n], before[1][n]) for n in before[0])
+    assert not any(rec.tag == "node-sync" for rank in cluster for rec in rank.ledger.records)
+
+
+def test_node_sync_gives_a_missing_gradient_the_nodes_mean():
+    """A parameter one rank did not use (grad None) takes the node's mean, so both ranks step it alike; one
+    no rank used stays without a gradient (the optimizer skips it, as without node_sync)."""
+    models = [nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2), nn.Linear(2, 2)) for _ in range(2)]
+    config = ConsensusConfig(sparsity="dense", node_sync=True)
+    structure = Structure.resolve(models[0], config)
+
+    def rank_run(rank):
+        model = models[rank.topo.rank]
+        eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
+        for p in model.parameters():
+            p.grad = None
+        head = model[0] if rank.topo.rank == 1 else model[1]   # rank 0 uses layer 1, rank 1 only layer 0
+        head.weight.grad = torch.full_like(head.weight, 2.0 + rank.topo.rank)
+        eng.sync_node_grads()
+        return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    grads = run_ranks(1, 2, rank_run)
+    assert torch.equal(grads[0][0], torch.full((2, 3), 1.5)) and torch.equal(grads[1][0], grads[0][0])   # (0 + 3) / 2
+    assert torch.equal(grads[0][2], torch.full((2, 2), 1.0)) and torch.equal(grads[1][2], grads[0][2])   # (2 + 0) / 2
+    assert all(g[i] is None for g in grads for i in (1, 3, 4, 5))   # biases, and the layer nobody used

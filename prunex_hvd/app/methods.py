@@ -59,7 +59,9 @@ def _prunex(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, sampl
 
 
 def _prunex_flat(optimizer, model, cfg, sample_batch):
-    return _prunex(optimizer, model, cfg, sample_batch, hierarchical=False)
+    from ..optimizer import DistributedOptimizer
+    # one flat group has no node to sync within: the recipe's node_sync does not apply to the ablation
+    return DistributedOptimizer(optimizer, model, cfg.consensus, hierarchical=False, node_sync=False)
 
 
 def _dense(optimizer, model, cfg, sample_batch):

@@ -49,14 +49,28 @@ class ConsensusConfig:
       α·θ + (1 − α)·z_i and α·z_i + (1 − α)·z. With ``restart`` it acts as an outer learning rate on each
       round's progress. Measured (digits, with restart): α = 1.6 with adaptive ρ ends at 98.80% (α = 1:
       97.96%) but reaches 95% later (11.0 epochs); α = 1.3 on top of ``rho_growth`` 1.3: 99.06% (5 seeds),
-      95% in 9.8. α = 1.6 with ``rho_growth`` 1.3 diverged for several rounds (95% after 17.7 epochs).
+      95% in 9.8. α = 1.6 with ``rho_growth`` 1.3 diverged for several rounds (95% after 17.7 epochs). With
+      ``rho_growth`` 1.3 on ResNet-18 (digits at 8×8, 32 rounds) the pair ended at 42% (81% with
+      ``node_sync``), against 96.1% without either: not in the recipe.
     * ``rho_growth`` — every ρ multiplied by this after each round (capped at ``rho_max``; ADMM pruning grows ρ
       1.3–2× a round), which drives the pruned weights to zero before the masks freeze. Use it with
       ``adaptive_rho=False``: both together ended at 97.0% on digits. Alone (restart, ρ from 0.01 / 0.001):
-      95% in 9.3 epochs, 98.52%. Keep ``lr·rho_max`` well below 2: ρ keeps growing until the cap.
+      95% in 9.3 epochs, 98.52%. Keep ``lr·rho_max`` well below 2: ρ keeps growing until the cap, and with
+      many rounds it gets there while the lr is still high (ResNet-18, 32 rounds: see ``relaxation``).
     * ``keep_ramp_rounds`` — lower every keep ratio from 1 to its target over this many rounds (cubic), masks
       freezing only after. Measured on digits (R = 6, restart): no gain (95% after 11.0 epochs, 98.43%), as
       the consensus model's accuracy falls each time the kept fraction drops; off by default.
+    * ``node_sync`` — average the gradients over the node's ranks before every step, over the node's fast links
+      (NVLink, shared memory): the ranks of a node take the same step from the same θ, so each node trains as
+      one data-parallel worker with the node's batch, and H-SADMM's rounds agree between nodes only (the intra
+      tier then just projects). What travels between nodes is unchanged; the node's links carry one gradient
+      allreduce a step, as under DDP. Hierarchical local SGD (PyTorch's ``HierarchicalModelAverager``)
+      averages within nodes the same way. Measured (2×2 ranks, restart, adaptive ρ from 0.01 / 0.001):
+      ResNet-18 on digits at 8×8, two rounds an epoch, reaches 80% after 5.5 epochs instead of 9 and ends at
+      96.1% instead of 92.2% (hierarchical local SGD: 4 epochs, 98.3%); on digits with resnet_small, 95% after
+      9.3 epochs instead of 11 (3 and 2 seeds). On in ``prunex-hvd train``'s recipe; off by default here, as
+      the paper's per-rank local steps need no collective between rounds and the per-step allreduce's cost
+      on a GPU node (NVLink) is not measured yet.
     * ``rho1`` — pull of each rank's θ toward its node consensus z_i, added to every gradient. Larger: ranks of
       a node stay together and the structure is reached sooner, at the cost of freedom to fit local data
       (accuracy). ``rho2`` — pull of each node toward the global z; keep it ~10× smaller than rho1 so nodes
@@ -117,6 +131,9 @@ class ConsensusConfig:
                               agree="rho")
     keep_ramp_rounds: int = _knob(0, "rounds over which every keep ratio falls from 1 to its target (cubic); "
                                      "masks freeze only after it (0: target from round 1)", agree="freezing")
+    node_sync: bool = _knob(False, "average gradients over the node's ranks before every step (fast links): each "
+                                   "node trains as one data-parallel worker, H-SADMM runs between nodes",
+                            agree="round")
 
     def __post_init__(self):
         def integer(name, minimum):
@@ -145,6 +162,11 @@ class ConsensusConfig:
         if isinstance(self.rho_growth, bool) or not (isinstance(self.rho_growth, Real)
                                                      and math.isfinite(self.rho_growth) and self.rho_growth >= 1):
             raise ValueError(f"rho_growth must be a finite number >= 1, got {self.rho_growth!r}")
+        if not isinstance(self.node_sync, bool):
+            raise ValueError(f"node_sync must be True or False, got {self.node_sync!r}")
+        if self.node_sync and not self.hierarchical:
+            raise ValueError("node_sync=True needs hierarchical=True: with one flat consensus group the 'node' is "
+                             "the whole world, and averaging gradients over it every step is dense data parallelism")
         check_bucket_mb(self.bucket_mb)
         check_backend_name(self.backend)
 

@@ -19,7 +19,9 @@ The accelerations (docs/algorithm.md, "Accelerations"): ``relaxation`` α puts �
 α·z_i + (1 − α)·z) in place of θ (z_i) in the next tier's step and in the dual update; ``rho_growth`` multiplies
 every ρ each round; ``keep_ramp_rounds`` lowers the keep ratios from 1 to their targets over the first rounds.
 
-Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`HSADMM.add_proximal_grad`).
+Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`HSADMM.add_proximal_grad`); with
+``node_sync`` the node's ranks first average their gradients (:meth:`HSADMM.sync_node_grads`), so each node
+steps as one data-parallel worker.
 
 Residuals count both tiers as consensus ADMM does (:mod:`prunex_hvd.engine.admm`):
 s_intra = ρ1√(P·Σ_i‖Δz_i‖²), s_inter = ρ2√M‖Δz‖. With one node (or ``hierarchical=False``) there is no inter-node tier: z = z_i, r_inter is
@@ -135,6 +137,7 @@ class HSADMM:
         self.mask_drift = 0.0
         self.bytes = {"inter": 0, "intra": 0, "inter_consensus": 0, "dense_inter": 0}
         self._dense = self._layout([e.param.numel() for e in self.entries])
+        self._grads: Optional[BucketLayout] = None   # node_sync's gradient buckets, made at the first step
         self._compact: Optional[BucketLayout] = None
         self._gathers: Dict[int, tuple] = {}   # entry -> (its bucket rows with a zero row, gather index)
         self._gathers_of: Optional[BucketLayout] = None   # the layout they index
@@ -167,6 +170,36 @@ class HSADMM:
         for k, e in enumerate(self.entries):
             groups.setdefault(e.rho1, []).append(k)
         self._prox_groups = list(groups.items())
+
+    def sync_node_grads(self) -> None:
+        """``node_sync``: every gradient averaged over the node's ranks (one allreduce per bucket on the fast
+        links), before the proximal term is added. The node's ranks share θ, u and z_i, so they then take the
+        same step: the node is one data-parallel worker. A parameter with no gradient on this rank counts as
+        zero in the mean, and gets the mean when that is not zero (so the node's ranks step it alike)."""
+        if not self.config.node_sync or self.topo.local_size == 1:
+            return
+        if self._grads is None:
+            self._grads = BucketLayout([e.param.numel() for e in self.entries], self.dtype, self.device,
+                                       self.bucket_bytes)
+        for k, e in enumerate(self.entries):   # a missing gradient counts as zero in the mean
+            if e.param.grad is None:
+                self._grads.views[k].zero_()
+            else:
+                self._grads.views[k].copy_(e.param.grad.reshape(-1))
+        before = self.ledger.summary()["total"]
+        with self.ledger.tagged("node-sync"):
+            for buf in self._grads.buffers:
+                self.groups.intra.allreduce_(buf, "avg")
+        after = self.ledger.summary()["total"]
+        cross = after["cross_node_bytes"] - before["cross_node_bytes"]   # 0: the node's own group
+        self.bytes["inter"] += cross
+        self.bytes["intra"] += after["wire_bytes"] - before["wire_bytes"] - cross
+        for k, e in enumerate(self.entries):
+            mean = self._grads.views[k].view_as(e.param)
+            if e.param.grad is not None:
+                e.param.grad.copy_(mean)
+            elif torch.count_nonzero(mean):   # the same test on every rank of the node: the mean is shared
+                e.param.grad = mean.clone()
 
     def add_proximal_grad(self) -> None:
         """grad += ρ1(θ − z_i + u): the gradient of the intra-node penalty (Eq. 8)."""

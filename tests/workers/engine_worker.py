@@ -29,6 +29,7 @@ def main():
     ap.add_argument("--coupled", action="store_true")
     ap.add_argument("--coupled-streams", dest="coupled", action="store_const", const="streams")
     ap.add_argument("--model", default="chain", choices=("chain", "residual"))
+    ap.add_argument("--node-sync", action="store_true", help="the node's ranks average gradients every step")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
@@ -40,7 +41,8 @@ def main():
     model = cases.make_model(a.model, topo.rank).to(a.device)
     spec = json.loads(a.sparsity) if a.sparsity.startswith("{") else a.sparsity
     opt = px.DistributedOptimizer(cases.sgd(model), model, sparsity=spec, local_steps=10**6, backend=a.backend,
-                                  coupled=a.coupled, **dict(cases.SETTINGS, freeze_round=a.freeze_round))
+                                  coupled=a.coupled, node_sync=a.node_sync,
+                                  **dict(cases.SETTINGS, freeze_round=a.freeze_round))
     eng = opt._engine
     cases.assert_same_everywhere(control.allgather_object(cases.model_state(model)), "after construction")
     px.comm.reset()
@@ -52,6 +54,9 @@ def main():
         reports.append(opt.consensus())
         after = control.allgather_object(cases.snapshot(eng))
         if topo.rank == 0:
+            if a.node_sync:   # one θ per node: its ranks took the node's mean gradient every step
+                for ranks in topo.node_ranks:
+                    cases.assert_same_everywhere([before[r]["theta"] for r in ranks], f"in a node before round {rnd}")
             ref_rounds.append(cases.check_round(rnd, before, after, topo.node_ranks, eng))
             checks += len(after)
     opt.finalize()
