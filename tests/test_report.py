@@ -103,8 +103,8 @@ def test_load_run_complete_and_incomplete(runs):
 
 
 def test_every_figure_written_and_valid(made):
-    expected = {"accuracy_vs_time", "accuracy_vs_inter_bytes", "residuals", "density_per_layer",
-                "communication", "masks_prunex"}
+    expected = {"accuracy_vs_epoch", "accuracy_vs_time", "accuracy_vs_inter_bytes", "residuals",
+                "density_per_layer", "communication", "masks_prunex"}
     assert set(made["figures"]) == expected
     for key, path in made["figures"].items():
         assert Path(path).name == f"{key}.png" and Path(path).parent == Path(made["out_dir"])
@@ -129,7 +129,8 @@ def test_table_numbers_and_links(made):
 
 def test_figures_without_data_are_skipped(runs, tmp_path):
     res = report.make_report([str(runs[1])], out_dir=str(tmp_path))
-    assert set(res["figures"]) == {"accuracy_vs_time", "accuracy_vs_inter_bytes", "communication"}
+    assert set(res["figures"]) == {"accuracy_vs_epoch", "accuracy_vs_time", "accuracy_vs_inter_bytes",
+                                   "communication"}
     for skipped in ("residuals", "density_per_layer", "masks_baseline"):
         assert not (tmp_path / f"{skipped}.png").exists()
         assert f"{skipped}.png" not in (tmp_path / "report.md").read_text()
@@ -180,3 +181,62 @@ def test_torn_last_line_is_tolerated(tmp_path):
     with open(d / "metrics.jsonl", "a") as f:
         f.write('{"event": "round", "round": 4, "wall')
     assert len(report.load_run(d)["metrics"]) == 3
+
+
+def _seed_run(root: Path, name: str, accs, final=None) -> Path:
+    """A run as bench_learning writes it (``VARIANT-sSEED``): one round per epoch with these accuracies."""
+    d = root / name
+    d.mkdir()
+    recs = [{"event": "round", "round": i + 1, "epoch": float(i + 1), "wall_s": 2.0 * (i + 1), "test_acc": a,
+             "inter_bytes": 1000 * (i + 1)} for i, a in enumerate(accs)]
+    if final is not None:
+        recs.append({"event": "final", "epoch": float(len(accs)), "wall_s": 2.0 * len(accs), "test_acc": final})
+    _write_jsonl(d / "metrics.jsonl", recs)
+    return d
+
+
+@pytest.fixture()
+def seeded(tmp_path):
+    root = tmp_path / "task"
+    root.mkdir()
+    return [_seed_run(root, "localsgd-s0", [0.5, 0.91, 0.96], 0.96),
+            _seed_run(root, "localsgd-s1", [0.6, 0.85, 0.93], 0.94),
+            _seed_run(root, "prunex-s0", [0.1, None, 0.92], 0.95),
+            _seed_run(root, "prunex-s1", [0.2, 0.5, 0.8], 0.81)]
+
+
+def test_seeds_are_one_variant_and_epochs_to_target(seeded):
+    runs = [report.load_run(p) for p in seeded]
+    assert [report.variant_of(r) for r in runs] == ["localsgd", "localsgd", "prunex", "prunex"]
+    assert [report.epochs_to_target(r, 0.9) for r in runs] == [2.0, 3.0, 3.0, None]   # None: never evaluated there
+    assert report.epochs_to_target(runs[2], 0.05) == 1.0
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip().strip("|").split("|")]
+            for line in report.target_table(runs, [0.9, 0.95]).splitlines()[2:]}
+    # mean over the seeds that reached it, "(k/n)" when some did not; the final accuracy's mean and range
+    assert rows["localsgd"] == ["localsgd", "2", "2.5", "3.0 (1/2)", "95.00 (94.00–96.00)"]
+    assert rows["prunex"] == ["prunex", "2", "3.0 (1/2)", "never", "88.00 (81.00–95.00)"]
+
+
+def test_epoch_figures_and_target_table(seeded, tmp_path):
+    res = report.make_report([str(p) for p in seeded], out_dir=str(tmp_path / "rep"), targets=[0.95, 0.9])
+    assert {"accuracy_vs_epoch", "epochs_to_target"} <= set(res["figures"])
+    for key in ("accuracy_vs_epoch", "epochs_to_target"):
+        assert _valid_png(res["figures"][key])
+    md = Path(res["table"]).read_text()
+    assert "## Epochs to target" in md and "| epochs to 90% | epochs to 95% |" in md   # targets sorted
+    assert "| prunex | 2 | 3.0 (1/2) | never |" in md
+    without = report.make_report([str(p) for p in seeded], out_dir=str(tmp_path / "plain"))
+    assert "epochs_to_target" not in without["figures"] and "Epochs to target" not in Path(without["table"]).read_text()
+
+
+def test_targets_on_the_command_line(seeded, tmp_path, capsys):
+    from prunex_hvd.app import cli
+    out = tmp_path / "rep"
+    assert cli.main(["report", *map(str, seeded), "--out", str(out), "--targets", "0.9,0.95"]) == 0
+    assert (out / "epochs_to_target.png").is_file()
+    for bad in ("95", "0.9,x", ""):
+        with pytest.raises(SystemExit):
+            report.main([str(seeded[0]), "--targets", bad])
+        assert "--targets" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="targets must be accuracies"):
+        report.make_report([str(seeded[0])], out_dir=str(tmp_path / "x"), targets=[1.5])

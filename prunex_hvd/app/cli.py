@@ -10,8 +10,9 @@
     prunex-hvd compare --methods dense,localsgd,diloco,prunex [train options] --out runs/cmp
         under any launcher: the same training with each method in turn, then a table and the plots.
 
-    prunex-hvd report runs/A runs/B ... [--out DIR]
-        plots (accuracy vs time and vs inter-node bytes, residuals, density, masks) and a markdown table.
+    prunex-hvd report runs/A runs/B ... [--out DIR] [--targets 0.9,0.95]
+        plots (accuracy vs epoch, time and inter-node bytes, epochs to target, residuals, density, masks) and
+        a markdown table; runs named NAME-s<seed> are averaged as one variant in the epoch figures.
 
     prunex-hvd export runs/NAME [--out model_slim.pt]
         the run's finalized model with its pruned channels physically removed: checked against the masked
@@ -110,8 +111,7 @@ def _compare(args) -> int:
 def _report(args) -> int:
     from prunex_hvd.app import report
 
-    argv = list(args.runs) + (["--out", args.out] if args.out else []) + ["--mask-layers", str(args.mask_layers)]
-    return report.main(argv)
+    return report.run_args(args)
 
 
 def _export(args) -> int:
@@ -304,10 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--methods", default="dense,topk,pactrain,localsgd,localsgd-hier,diloco,prunex-flat,prunex",
                       help="comma-separated; each run goes to --out/<method>")
     cmp_.set_defaults(func=_compare, out="runs/compare")
-    rep = sub.add_parser("report", help="plots and a markdown table from run folders")
-    rep.add_argument("runs", nargs="+")
-    rep.add_argument("--out", default=None, help="default: <parent of the first run>/report")
-    rep.add_argument("--mask-layers", type=int, default=4)
+    from prunex_hvd.app import report   # its arguments are its own; the module imports matplotlib only to draw
+
+    rep = report.add_arguments(sub.add_parser("report", help="plots and a markdown table from run folders"))
     rep.set_defaults(func=_report)
     exp = sub.add_parser("export", help="remove the pruned channels of a run's final model for real: a smaller dense "
                                         "model, checked, counted and timed against the masked one")

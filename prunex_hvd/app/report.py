@@ -1,6 +1,6 @@
 """``prunex-hvd report RUN [RUN ...]``: training runs → PNG figures and a markdown table.
 
-    prunex-hvd report runs/A runs/B [--out DIR] [--mask-layers N]
+    prunex-hvd report runs/A runs/B [--out DIR] [--mask-layers N] [--targets 0.9,0.95]
 
 A run is a directory written by the trainer: ``metrics.jsonl`` (``"event": "round"`` lines, then one
 ``"event": "final"``), ``summary.json`` (missing when the run was interrupted; the run is then shown as
@@ -8,6 +8,8 @@ A run is a directory written by the trainer: ``metrics.jsonl`` (``"event": "roun
 
 Written to ``DIR`` (default ``<parent of the first run>/report``), each only when some run has the data:
 
+* ``accuracy_vs_epoch.png``        test accuracy vs epoch: accuracy at equal epochs, whatever the link
+* ``epochs_to_target.png``         first epoch reaching each ``--targets`` accuracy (only with ``--targets``)
 * ``accuracy_vs_time.png``         test accuracy vs cumulative training wall time
 * ``accuracy_vs_inter_bytes.png``  test accuracy vs cumulative inter-node MB (and a dense exchange's MB)
 * ``residuals.png``                per-layer primal residuals r_intra / r_inter over rounds
@@ -17,10 +19,12 @@ Written to ``DIR`` (default ``<parent of the first run>/report``), each only whe
 * ``report.md``                    one table row per run, then links to the figures
 
 MB here is 2^20 bytes, as in the trainer's and ``prunex-hvd info``'s output. Figures share one colour per
-run; labels are the run folder names.
+run; labels are the run folder names. Runs whose folders differ only in a seed suffix (``localsgd-s0``,
+``localsgd-s1``: what ``benchmarks/bench_learning.py`` writes) are one *variant* in the two epoch figures and
+the epochs-to-target table: the mean over seeds as a line, the seeds' range as a band.
 
     from prunex_hvd.app.report import make_report
-    out = make_report(["runs/A", "runs/B"])     # {"out_dir", "figures": {key: path}, "table": path}
+    out = make_report(["runs/A", "runs/B"], targets=[0.95])   # {"out_dir", "figures": {key: path}, "table": path}
 """
 from __future__ import annotations
 
@@ -148,6 +152,28 @@ def _series(run: dict, xkey: str, ykey: str):
     return xs, ys
 
 
+_SEED_SUFFIX = re.compile(r"^(?P<variant>.+)-s(?P<seed>\d+)$")
+
+
+def variant_of(run: dict) -> str:
+    """The run's name without a ``-s<seed>`` suffix: runs of one variant over several seeds share it."""
+    m = _SEED_SUFFIX.match(run["name"])
+    return m.group("variant") if m else run["name"]
+
+
+def _by_variant(runs: list) -> dict:
+    """{variant: [runs]} in first-seen order."""
+    groups = {}
+    for r in runs:
+        groups.setdefault(variant_of(r), []).append(r)
+    return groups
+
+
+def epochs_to_target(run: dict, target: float) -> Optional[float]:
+    """The epoch of the first evaluated round whose test accuracy is ≥ ``target``; None if none is."""
+    return next((float(e) for e, a in zip(*_series(run, "epoch", "test_acc")) if a >= target), None)
+
+
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -223,6 +249,32 @@ def comparison_table(runs: list) -> str:
     return "\n".join(out) + "\n"
 
 
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else None
+
+
+def _target_cell(values: list) -> str:
+    """Mean over the seeds that reached the target, with "(k/n)" when some did not; "—" when none did."""
+    reached = [v for v in values if v is not None]
+    if not reached:
+        return "never"
+    cell = f"{_mean(reached):.1f}"
+    return cell if len(reached) == len(values) else f"{cell} ({len(reached)}/{len(values)})"
+
+
+def target_table(runs: list, targets: list) -> str:
+    """Per variant (seeds grouped): mean first epoch reaching each target, and the final accuracy."""
+    head = ["variant", "seeds"] + [f"epochs to {t * 100:g}%" for t in targets] + ["final test acc % (min–max)"]
+    out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for variant, group in _by_variant(runs).items():
+        finals = [a * 100 for a in map(_final_acc, group) if a is not None]
+        final = "—" if not finals else (f"{_mean(finals):.2f}" if len(finals) == 1 else
+                                         f"{_mean(finals):.2f} ({min(finals):.2f}–{max(finals):.2f})")
+        cells = [_target_cell([epochs_to_target(r, t) for r in group]) for t in targets]
+        out.append("| " + " | ".join([_cell(variant), str(len(group))] + cells + [final]) + " |")
+    return "\n".join(out) + "\n"
+
+
 # ------------------------------------------------------------------------------------------------ figures
 
 def _pyplot():
@@ -269,6 +321,68 @@ def _fig_accuracy_time(runs, colours, path):
     ax.set(title="Test accuracy vs training time", xlabel="Wall time (s)", ylabel="Test accuracy (%)")
     ax.set_xlim(left=0)
     _legend(ax)
+    return _save(fig, path)
+
+
+def _fig_accuracy_epoch(groups, colours, path):
+    """One line per variant: the mean over its seeds at each evaluated epoch, the seeds' range as a band."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    drawn = False
+    for (variant, group), c in zip(groups.items(), colours):
+        at = {}   # epoch -> accuracies of the seeds evaluated there
+        for r in group:
+            for e, a in zip(*_series(r, "epoch", "test_acc")):
+                at.setdefault(round(e, 6), []).append(a * 100)
+        if not at:
+            continue
+        drawn = True
+        xs = sorted(at)
+        label = variant + (f" ({len(group)} seeds)" if len(group) > 1 else "")
+        ax.plot(xs, [_mean(at[x]) for x in xs], "-o", color=c, ms=3, lw=1.6, label=label)
+        if len(group) > 1:
+            ax.fill_between(xs, [min(at[x]) for x in xs], [max(at[x]) for x in xs], color=c, alpha=0.15, lw=0)
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set(title="Test accuracy at equal epochs", xlabel="Epoch", ylabel="Test accuracy (%)")
+    ax.set_xlim(left=0)
+    _legend(ax)
+    return _save(fig, path)
+
+
+def _fig_epochs_to_target(groups, colours, targets, path):
+    """Grouped bars: per variant, the mean first epoch reaching each target; "never" where no seed did."""
+    plt = _pyplot()
+    rows = []   # (variant, colour, [values per target: [epochs or None per seed]])
+    for (variant, group), c in zip(groups.items(), colours):
+        rows.append((variant, c, [[epochs_to_target(r, t) for r in group] for t in targets]))
+    longest = max((v for _, _, per in rows for vals in per for v in vals if v is not None), default=None)
+    if longest is None:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 0.9 + 0.32 * len(rows) * len(targets)))
+    height = 0.8 / len(targets)
+    hatches = ["", "//", "..", "xx", "\\\\"]
+    for i, (variant, c, per) in enumerate(rows):
+        for j, (t, vals) in enumerate(zip(targets, per)):
+            y = i + (j - (len(targets) - 1) / 2) * height
+            reached = [v for v in vals if v is not None]
+            if not reached:
+                ax.text(0.2, y, f"{t * 100:g}%: never", va="center", fontsize=7, color="0.3")
+                continue
+            ax.barh(y, _mean(reached), height=height * 0.9, color=c, hatch=hatches[j % len(hatches)],
+                    edgecolor="white" if j == 0 else "0.25", lw=0.5)
+            note = f"{_mean(reached):.1f}" + ("" if len(reached) == len(vals) else f" ({len(reached)}/{len(vals)})")
+            ax.text(_mean(reached) + longest * 0.01, y, note, va="center", fontsize=7)
+    from matplotlib.patches import Patch
+    handles = [Patch(facecolor="0.85", edgecolor="0.25", hatch=hatches[j % len(hatches)], label=f"to {t * 100:g}%")
+               for j, t in enumerate(targets)]   # one entry per target, in the hatch that marks it
+    ax.set_yticks(range(len(rows)), [v for v, _, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlim(0, longest * 1.15)
+    ax.set(title="Epochs to target accuracy (mean over seeds; fewer is better)", xlabel="Epoch")
+    ax.grid(axis="y", visible=False)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     return _save(fig, path)
 
 
@@ -563,8 +677,10 @@ def _file_safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "run"
 
 
-def make_report(run_dirs: list, out_dir: Optional[str] = None, max_mask_layers: int = 4) -> dict:
+def make_report(run_dirs: list, out_dir: Optional[str] = None, max_mask_layers: int = 4,
+                targets: Optional[list] = None) -> dict:
     """Load ``run_dirs``, write the figures that some run has data for and ``report.md`` into ``out_dir``.
+    With ``targets`` (accuracies in (0, 1]) also the epochs-to-target figure and table.
 
     Returns ``{"out_dir", "figures": {key: path}, "table": path}``; ``figures`` lists only what was written
     (keys: the file stems, e.g. ``"accuracy_vs_time"``, ``"masks_<run>"``). Raises ValueError for a path
@@ -574,15 +690,23 @@ def make_report(run_dirs: list, out_dir: Optional[str] = None, max_mask_layers: 
         run_dirs = [run_dirs]
     if not run_dirs:
         raise ValueError("no run directories given")
+    targets = sorted(float(t) for t in (targets or []))
+    if any(not 0 < t <= 1 for t in targets):
+        raise ValueError(f"targets must be accuracies in (0, 1], got {targets}")
     runs = [load_run(p) for p in run_dirs]
     _unique_names(runs)
+    groups = _by_variant(runs)
     out = Path(out_dir) if out_dir is not None else Path(run_dirs[0]).resolve().parent / "report"
     out.mkdir(parents=True, exist_ok=True)
     plt = _pyplot()
     colours = _colours(len(runs))
     figures = {}
     with plt.rc_context(_STYLE):
-        for key, draw in (("accuracy_vs_time", lambda p: _fig_accuracy_time(runs, colours, p)),
+        group_colours = _colours(len(groups))
+        for key, draw in (("accuracy_vs_epoch", lambda p: _fig_accuracy_epoch(groups, group_colours, p)),
+                          ("epochs_to_target", lambda p: targets and _fig_epochs_to_target(
+                              groups, group_colours, targets, p)),
+                          ("accuracy_vs_time", lambda p: _fig_accuracy_time(runs, colours, p)),
                           ("accuracy_vs_inter_bytes", lambda p: _fig_accuracy_bytes(runs, colours, p)),
                           ("residuals", lambda p: _fig_residuals(runs, p)),
                           ("density_per_layer", lambda p: _fig_density(runs, colours, p)),
@@ -596,7 +720,10 @@ def make_report(run_dirs: list, out_dir: Optional[str] = None, max_mask_layers: 
             if written:
                 figures[key] = written
     md = ["# Training report", "", markdown_table(runs)]
-    titles = {"accuracy_vs_time": "Test accuracy vs wall time",
+    if targets:
+        md += ["## Epochs to target", "", target_table(runs, targets)]
+    titles = {"accuracy_vs_epoch": "Test accuracy at equal epochs", "epochs_to_target": "Epochs to target",
+              "accuracy_vs_time": "Test accuracy vs wall time",
               "accuracy_vs_inter_bytes": "Test accuracy vs inter-node traffic",
               "residuals": "Per-layer primal residuals", "density_per_layer": "Final density per layer",
               "communication": "Inter-node traffic vs dense exchange"}
@@ -615,12 +742,26 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="where to write the figures and report.md (default: <parent of the first run>/report)")
     ap.add_argument("--mask-layers", type=int, default=4, metavar="N",
                     help="conv layers to draw per run in masks_<run>.png (default 4)")
+    ap.add_argument("--targets", type=_accuracies, default=None, metavar="A,B",
+                    help="test accuracies (e.g. 0.9,0.95): adds epochs_to_target.png and a table of the first "
+                         "epoch each variant reaches them")
     return ap
+
+
+def _accuracies(text: str) -> list:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated accuracies like 0.9,0.95, got {text!r}")
+    if not values or any(not 0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"accuracies must lie in (0, 1], got {text!r}")
+    return values
 
 
 def run_args(args) -> int:
     """Make the report for parsed arguments; prints the written paths."""
-    res = make_report(args.runs, out_dir=args.out, max_mask_layers=args.mask_layers)
+    res = make_report(args.runs, out_dir=args.out, max_mask_layers=args.mask_layers,
+                      targets=getattr(args, "targets", None))
     for p in res["figures"].values():
         print(p)
     print(res["table"])
