@@ -12,7 +12,9 @@ jobs side by side (on a 16-core host 4 jobs of 4 single-thread ranks fill it; he
 Per run the JSON has the test accuracy of the consensus model after every round (``curve``: epoch, accuracy),
 the first epoch reaching each of the task's targets (``epochs_to``; null if never), the final accuracy, the
 density and the inter-node bytes. Per (task, variant) it has the mean over seeds (``summary``). Each run's
-folder (``<out>/<task>/<variant>-s<seed>``) is a normal run: ``prunex-hvd report`` draws the curves.
+folder (``<out>/<task>/<variant>-s<seed>``) is a normal run; at the end ``prunex-hvd report`` draws every
+run in each task's folder into ``<out>/<task>/report`` (accuracy at equal epochs with the seeds as a band,
+epochs to the task's targets, and the table).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchjson import emit  # noqa: E402
+from prunex_hvd.app.report import make_report  # noqa: E402
 
 # the shared recipe of each task: what a user would run, the same for every method
 TASKS: Dict[str, dict] = {
@@ -37,6 +40,9 @@ TASKS: Dict[str, dict] = {
     # a CIFAR-size input and a deeper net on generated data: noisy low-frequency templates, 32×32×3
     "synthetic": dict(args="--model resnet_small --dataset synthetic --image-size 16 --epochs 16 --batch-size 32 "
                            "--lr 0.05 --local-epochs 1 --freeze-round 5", targets=(0.5, 0.7, 0.8)),
+    # the emulated cluster's task: ResNet-18 on digits at 8×8, two rounds an epoch (benchmarks/README.md)
+    "digits8-r18": dict(args="--model resnet18 --dataset digits --image-size 8 --epochs 16 --batch-size 16 "
+                             "--lr 0.05 --local-steps 11 --freeze-round 4", targets=(0.7, 0.8, 0.9)),
     # ResNet-18 on CIFAR-size generated data (the emulated cluster's model; minutes per run on 2 cores)
     "synthetic-r18": dict(args="--model resnet18 --dataset synthetic --image-size 32 --epochs 8 --batch-size 32 "
                                "--lr 0.05 --local-epochs 1 --freeze-round 3", targets=(0.5, 0.7, 0.8)),
@@ -45,7 +51,9 @@ TASKS: Dict[str, dict] = {
 # The paper's round as measured: θ stays, adaptive ρ from the demo's 0.01 / 0.001, no relaxation, growth or ramp.
 # Every PruneX variant spells all of these, then its levers (argparse keeps the last value), so it means what the
 # tables in benchmarks/README.md say whatever the command line's recipe is.
-PAPER_ROUND = "--rho1 0.01 --rho2 0.001 --adaptive-rho --restart none --relaxation 1 --rho-growth 1 --keep-ramp-rounds 0"
+PAPER_ROUND = (
+    "--rho1 0.01 --rho2 0.001 --adaptive-rho --restart none --relaxation 1 --rho-growth 1 --keep-ramp-rounds 0 "
+    "--no-node-sync")
 
 
 def prunex(sparsity: str = "channel:0.5", levers: str = "") -> str:
@@ -74,9 +82,14 @@ VARIANTS: Dict[str, str] = {
     "prunex-relax13": prunex(levers="--restart global --relaxation 1.3"),
     "prunex-relax-ramp": prunex(levers="--restart global --relaxation 1.6 --keep-ramp-rounds 4"),
     "prunex-dense-grow": prunex("dense", f"--restart global {GROW}"),
-    "prunex-grow-relax13": prunex(levers=f"--restart global {GROW} --relaxation 1.3"),   # = the recipe
+    "prunex-grow-relax13": prunex(levers=f"--restart global {GROW} --relaxation 1.3"),   # the recipe before node_sync
     "prunex-dense-grow-relax13": prunex("dense", f"--restart global {GROW} --relaxation 1.3"),
     "prunex-dense-relax": prunex("dense", "--restart global --relaxation 1.6"),
+    "prunex-grow-relax13-sync": prunex(levers=f"--restart global {GROW} --relaxation 1.3 --node-sync"),
+    "prunex-restart-sync": prunex(levers="--restart global --node-sync"),   # = the recipe since node_sync
+    "prunex-dense-restart-sync": prunex("dense", "--restart global --node-sync"),
+    "prunex-restart-sync-freeze1": prunex(levers="--restart global --node-sync --freeze-round 1"),
+    "prunex-restart-sync-freeze2": prunex(levers="--restart global --node-sync --freeze-round 2"),
     # the command line's defaults (whatever they are now)
     "prunex": "--method prunex --sparsity channel:0.5",
     "prunex-dense": "--method prunex --sparsity dense",
@@ -182,6 +195,12 @@ def main(argv=None) -> int:
         runs = list(pool.map(lambda j: run_one(*j, args), jobs))
     emit({"bench": "learning", "launcher": args.launcher, "threads_per_rank": args.threads, "runs": runs,
           "summary": summarize(runs)}, os.path.join(args.out, "learning.json"))
+    for task in args.tasks.split(","):   # the curves of every run in the task's folder, this sweep's and earlier
+        done = sorted(os.path.join(args.out, task, d) for d in os.listdir(os.path.join(args.out, task))
+                      if os.path.isfile(os.path.join(args.out, task, d, "metrics.jsonl")))
+        if done:
+            made = make_report(done, out_dir=os.path.join(args.out, task, "report"), targets=TASKS[task]["targets"])
+            print(f"{task}: plots and report.md in {made['out_dir']}", file=sys.stderr)
     return 0 if all(r["rc"] == 0 for r in runs) else 1
 
 

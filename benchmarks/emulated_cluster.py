@@ -47,6 +47,9 @@ Horovod, and by default (``--control-plane auto``) run without it, so that Horov
 does not add unaccounted bytes (``--control-plane horovod`` starts Horovod in every job, the library's
 default under mpirun). ``METHOD@mpi`` / ``METHOD@horovod`` in ``--methods`` pins one job's control plane:
 ``dense@mpi`` is dense data parallelism without Horovod (the library's bucketed ring allreduce over mpi4py).
+``METHOD+LABEL`` is one more job of METHOD under its own name, with its own ``--method-args METHOD+LABEL=ARGS``
+(``prunex+nosync``): the summary gives every PruneX job's speed-up against the fastest round-based rival
+(local SGD, hierarchical local SGD, DiLoCo) that reached the target.
 
 Needs root, ``ip`` (iproute2), ``tc``, ``unshare`` (util-linux) and Open MPI's ``mpirun``. Prints the JSON
 document to stdout and writes it to ``<out>/emulated_cluster.json``; per-run logs and training outputs are in
@@ -383,7 +386,7 @@ def run_one(args, bw: str, method: str, mca: Dict[str, str], timeout_s: float) -
     out_dir = os.path.join(bw_dir, method)
     os.makedirs(bw_dir, exist_ok=True)
     shutil.rmtree(out_dir, ignore_errors=True)
-    name, _, forced = method.partition("@")          # "dense@mpi": this method under that control plane
+    name, forced = parse_method(method)              # "dense@mpi": this method under that control plane
     control = forced or ("horovod" if args.control_plane == "horovod" or (
         args.control_plane == "auto" and name in HOROVOD_METHODS) else "mpi")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PRUNEX_RANKS_PER_NODE", "OMPI_MCA_"))}
@@ -439,6 +442,29 @@ def run_one(args, bw: str, method: str, mca: Dict[str, str], timeout_s: float) -
 
 # ---------------------------------------------------------------- main
 
+ROUND_BASED_RIVALS = ("localsgd", "localsgd-hier", "diloco")
+
+
+def parse_method(entry: str):
+    """``NAME[+LABEL][@PLANE]`` → (NAME, PLANE or ""). ``prunex+plain`` is a second prunex job with its own
+    ``--method-args prunex+plain=...`` (its own folder and row)."""
+    head, _, plane = entry.partition("@")
+    return head.partition("+")[0], plane
+
+
+def rival_speedups(rows: Dict[str, dict]) -> Dict[str, object]:
+    """Time to target of every prunex job against the fastest round-based rival that reached the target."""
+    reached = {m: r["time_to_target_s"] for m, r in rows.items()
+               if parse_method(m)[0] in ROUND_BASED_RIVALS and r.get("time_to_target_s")}
+    if not reached:
+        return {}
+    best = min(reached, key=reached.get)
+    out = {"best_round_based_rival": best, "best_rival_time_to_target_s": reached[best]}
+    for m, r in rows.items():
+        if parse_method(m)[0] == "prunex" and r.get("time_to_target_s"):
+            out[f"{m}_speedup_vs_best_rival"] = round(reached[best] / r["time_to_target_s"], 2)
+    return out
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -449,7 +475,8 @@ def main(argv=None) -> int:
     p.add_argument("--mtu", type=int, default=9000, help="MTU of every link (GSO is capped to it)")
     p.add_argument("--methods", default=",".join(ALL_METHODS),
                    help="comma list; METHOD@mpi or METHOD@horovod runs it under that control plane "
-                        "(dense@mpi: the library's bucketed allreduce over mpi4py instead of Horovod's optimizer)")
+                        "(dense@mpi: the library's bucketed allreduce over mpi4py instead of Horovod's optimizer); "
+                        "METHOD+LABEL is another job of METHOD with its own --method-args METHOD+LABEL=ARGS")
     p.add_argument("--target", type=float, default=0.90, help="test accuracy that counts as reached")
     p.add_argument("--train-args", default=DEFAULT_TRAIN_ARGS,
                    help="arguments for `prunex-hvd train`, the same for every method (--method and --out are added)")
@@ -470,6 +497,30 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true", help="leave the namespaces up at the end (debugging)")
     p.add_argument("--cleanup", action="store_true", help="only remove leftovers of an earlier run, then exit")
     args = p.parse_args(argv)
+    try:
+        bandwidths = [b.strip() for b in args.bandwidths.split(",") if b.strip()]
+        rates = {b: parse_rate(b) for b in bandwidths}
+        latency_ms = parse_ms(args.latency)
+    except ValueError as exc:
+        p.error(str(exc))
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if parse_method(m)[0] not in ALL_METHODS
+               or parse_method(m)[1] not in ("", "mpi", "horovod")]
+    if unknown:
+        p.error(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
+    if not (1 <= args.hosts <= 250) or args.ranks_per_host < 1:
+        p.error("need 1 <= --hosts <= 250 and --ranks-per-host >= 1")
+    method_args = {}
+    for item in args.method_args:
+        m, sep, extra = item.partition("=")
+        listed = args.methods.split(",")
+        if not sep or m not in listed + [x.partition("@")[0] for x in listed] + [parse_method(x)[0] for x in listed]:
+            p.error(f"--method-args {item!r}: expected METHOD=ARGS for one of --methods ({args.methods})")
+        method_args[m] = extra
+    args.method_args = method_args
+    for extra in [args.train_args] + list(method_args.values()):
+        if "--method" in extra.split() or "--out" in extra.split():
+            p.error("--train-args and --method-args must not hold --method or --out (the script sets them)")
 
     problem = preflight()
     if problem:
@@ -479,30 +530,6 @@ def main(argv=None) -> int:
         removed = teardown()
         print(json.dumps({"removed_namespaces": removed}))
         return 0
-    try:
-        bandwidths = [b.strip() for b in args.bandwidths.split(",") if b.strip()]
-        rates = {b: parse_rate(b) for b in bandwidths}
-        latency_ms = parse_ms(args.latency)
-    except ValueError as exc:
-        p.error(str(exc))
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m.partition("@")[0] not in ALL_METHODS
-               or m.partition("@")[2] not in ("", "mpi", "horovod")]
-    if unknown:
-        p.error(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
-    if not (1 <= args.hosts <= 250) or args.ranks_per_host < 1:
-        p.error("need 1 <= --hosts <= 250 and --ranks-per-host >= 1")
-    method_args = {}
-    for item in args.method_args:
-        m, sep, extra = item.partition("=")
-        listed = args.methods.split(",")
-        if not sep or m not in listed + [x.partition("@")[0] for x in listed]:
-            p.error(f"--method-args {item!r}: expected METHOD=ARGS for one of --methods ({args.methods})")
-        method_args[m] = extra
-    args.method_args = method_args
-    for extra in [args.train_args] + list(method_args.values()):
-        if "--method" in extra.split() or "--out" in extra.split():
-            p.error("--train-args and --method-args must not hold --method or --out (the script sets them)")
     leftovers = our_namespaces()
     if leftovers:
         print(f"emulated_cluster: namespaces of an earlier run are still there ({', '.join(leftovers)}): "
@@ -599,6 +626,7 @@ def main(argv=None) -> int:
                 sp = round(dense["train_wall_s"] / t, 2)
                 summary["prunex"]["speedup_vs_dense_at_least"] = sp
             summary["prunex_at_least_3x_faster_than_dense"] = None if sp is None else sp >= 3
+        summary.update(rival_speedups(rows))
         doc["summary"][bw] = summary
     text = json.dumps(doc, indent=2)
     with open(os.path.join(args.out, "emulated_cluster.json"), "w") as f:

@@ -1,0 +1,48 @@
+"""The benchmark scripts' own bookkeeping (no launches, no namespaces): how the emulated cluster names its jobs
+and which rival PruneX is measured against."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return _load("emulated_cluster")
+
+
+@pytest.mark.parametrize("entry,want", [("prunex", ("prunex", "")), ("dense@mpi", ("dense", "mpi")),
+                                        ("prunex+nosync", ("prunex", "")), ("prunex+a@horovod", ("prunex", "horovod"))])
+def test_a_job_is_method_label_and_plane(cluster, entry, want):
+    assert cluster.parse_method(entry) == want
+
+
+def test_prunex_jobs_against_the_fastest_round_based_rival(cluster):
+    rows = {"localsgd": {"time_to_target_s": 120.0}, "localsgd-hier": {"time_to_target_s": 80.0},
+            "diloco": {"time_to_target_s": None}, "dense": {"time_to_target_s": 10.0},   # not a round-based rival
+            "prunex": {"time_to_target_s": 40.0}, "prunex+paper": {"time_to_target_s": None},
+            "prunex+nosync": {"time_to_target_s": 100.0}}
+    assert cluster.rival_speedups(rows) == {"best_round_based_rival": "localsgd-hier",
+                                            "best_rival_time_to_target_s": 80.0,
+                                            "prunex_speedup_vs_best_rival": 2.0,
+                                            "prunex+nosync_speedup_vs_best_rival": 0.8}
+    assert cluster.rival_speedups({"prunex": {"time_to_target_s": 5.0}, "diloco": {}}) == {}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--methods", "prunex+x,nonsense"], "unknown method(s) ['nonsense']"),
+    (["--methods", "prunex+x", "--method-args", "prunex+y=--lr 1"], "--method-args 'prunex+y=--lr 1': expected"),
+    (["--methods", "prunex", "--method-args", "prunex=--out x"], "must not hold --method or --out")])
+def test_bad_jobs_are_refused_before_anything_is_built(cluster, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        cluster.main(argv)
+    assert message in capsys.readouterr().err
