@@ -59,7 +59,7 @@ def watchdog_lines(stdout):
 
 def test_nan_then_kill_then_resume_ends_bit_for_bit_like_the_uninterrupted_run(full_run, tmp_path):
     """One job through three faults. (1) NaN in one batch of rank 1 before round 3: every rank stops in round 3
-    with the same error, the round-2 checkpoint untouched. (2) A copy of it with one rank file truncated is
+    with the same error (naming rank 1's node: node_sync shares its gradients), the round-2 checkpoint untouched. (2) A copy of it with one rank file truncated is
     refused by every rank. (3) The resume runs on and rank 3 is killed (SIGKILL) in the middle of round 6: the
     job ends within the bound, rank 3 named. (4) A last resume ends exactly where the uninterrupted run ends."""
     ref, _ = full_run
@@ -69,7 +69,10 @@ def test_nan_then_kill_then_resume_ends_bit_for_bit_like_the_uninterrupted_run(f
     assert proc.returncode != 0
     assert proc.stdout.count("prunex-hvd: error: consensus round 3: inf or NaN in the float buffers (BatchNorm "
                              "running statistics), conv1.weight, ") == 4, proc.stdout[-4000:]
-    assert proc.stdout.count("from θ + u of rank 1. Every rank stops here with the state of round 2") == 4
+    # the recipe's node_sync spreads rank 1's NaN gradient to its node (ranks 0 and 1), and the error says why
+    assert proc.stdout.count("from θ + u of ranks 0,1 (node_sync: the ranks of a node average their gradients, so "
+                             "one rank's bad batch reaches every rank of its node). Every rank stops here with the "
+                             "state of round 2") == 4, proc.stdout[-4000:]
     assert manifest_tag(out) == 14 and len(list((out / "ckpt").glob("tag00000014.rank*.pt"))) == 4
     assert [r["round"] for r in metrics(out)] == [1, 2]
 

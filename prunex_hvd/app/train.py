@@ -39,9 +39,9 @@ from .data import ShardedLoader, load_dataset
 # The trainer's recipe, chosen by measurement on three tasks (benchmarks/README.md, "Accuracy per epoch"):
 # every rank restarts at z each round, the node's ranks average their gradients every step (node_sync), ρ starts
 # at 0.01 / 0.001 with residual balancing. ResNet-18 on digits at 8×8 (the emulated cluster's task): 80% after
-# 5.5 epochs, 96.1% final (without node_sync 9 epochs, 92.2%; with ρ growing 1.3× a round and relaxation 1.3,
-# the previous recipe, 42% final). Digits (resnet_small): 95% after 10 epochs, ~98.5% final (the previous
-# recipe: 9.8, 99.06%).
+# 6.0 epochs, 96.25% final (without node_sync 9 epochs, 92.2%; the first recipe, ρ growing 1.3× a round and
+# relaxation 1.3, about 42%). Digits (resnet_small): 95% after 8.8 epochs, 98.89% final (the first recipe on
+# this machine: 12.0 epochs, 98.75%). Synthetic: 80% after 6.0 epochs (the first recipe: 3.5), all at ~100%.
 RECIPE = ConsensusConfig(rho1=0.01, rho2=0.001, adaptive_rho=True, restart="global", node_sync=True)
 AUTO_FREEZE = 1 / 3   # --freeze-round auto: masks move for the first third, the rest retrains the structure
 

@@ -51,7 +51,7 @@ class ConsensusConfig:
       97.96%) but reaches 95% later (11.0 epochs); α = 1.3 on top of ``rho_growth`` 1.3: 99.06% (5 seeds),
       95% in 9.8. α = 1.6 with ``rho_growth`` 1.3 diverged for several rounds (95% after 17.7 epochs). With
       ``rho_growth`` 1.3 on ResNet-18 (digits at 8×8, 32 rounds) the pair ended at 42% (81% with
-      ``node_sync``), against 96.1% without either: not in the recipe.
+      ``node_sync``), against 96.25% without either: not in the recipe.
     * ``rho_growth`` — every ρ multiplied by this after each round (capped at ``rho_max``; ADMM pruning grows ρ
       1.3–2× a round), which drives the pruned weights to zero before the masks freeze. Use it with
       ``adaptive_rho=False``: both together ended at 97.0% on digits. Alone (restart, ρ from 0.01 / 0.001):
@@ -66,9 +66,9 @@ class ConsensusConfig:
       tier then just projects). What travels between nodes is unchanged; the node's links carry one gradient
       allreduce a step, as under DDP. Hierarchical local SGD (PyTorch's ``HierarchicalModelAverager``)
       averages within nodes the same way. Measured (2×2 ranks, restart, adaptive ρ from 0.01 / 0.001):
-      ResNet-18 on digits at 8×8, two rounds an epoch, reaches 80% after 5.5 epochs instead of 9 and ends at
-      96.1% instead of 92.2% (hierarchical local SGD: 4 epochs, 98.3%); on digits with resnet_small, 95% after
-      9.3 epochs instead of 11 (3 and 2 seeds). On in ``prunex-hvd train``'s recipe; off by default here, as
+      ResNet-18 on digits at 8×8, two rounds an epoch, reaches 80% after 6.0 epochs instead of 9 and ends at
+      96.25% instead of 92.2% (hierarchical local SGD: 4.2 epochs, 98.06%); on digits with resnet_small, 95%
+      after 8.8 epochs instead of 11.0 (5 and 2 seeds). On in ``prunex-hvd train``'s recipe; off by default here, as
       the paper's per-rank local steps need no collective between rounds and the per-step allreduce's cost
       on a GPU node (NVLink) is not measured yet.
     * ``rho1`` — pull of each rank's θ toward its node consensus z_i, added to every gradient. Larger: ranks of

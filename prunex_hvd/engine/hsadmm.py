@@ -492,6 +492,9 @@ class HSADMM:
             shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
             source = (f"θ + u of rank{'s' if len(bad_ranks) > 1 else ''} {_ranks(bad_ranks)}" if bad_ranks
                       else "the consensus (it overflowed from finite inputs)")
+            if bad_ranks and self.config.node_sync and self.topo.local_size > 1:
+                source += (" (node_sync: the ranks of a node average their gradients, so one rank's bad batch "
+                           "reaches every rank of its node)")
             raise FloatingPointError(
                 f"consensus round {self.round + 1}: inf or NaN in {shown or 'the model'}, from {source}. Every "
                 f"rank stops here with the state of round {self.round}: lower the learning rate or rho, check "
