@@ -30,7 +30,7 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchjson import emit  # noqa: E402
-from prunex_hvd.app.report import make_report  # noqa: E402
+from prunex_hvd.app.report import epochs_to_target, load_run, make_report  # noqa: E402
 
 # the shared recipe of each task: what a user would run, the same for every method
 TASKS: Dict[str, dict] = {
@@ -96,22 +96,14 @@ VARIANTS: Dict[str, str] = {
 }
 
 
-def epochs_to(curve: List[list], target: float):
-    return next((e for e, a in curve if a is not None and a >= target), None)
-
-
 def read_run(run_dir: str, targets) -> dict:
-    curve, final = [], None
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            rec = json.loads(line)
-            if rec.get("event") == "round" and rec.get("test_acc") is not None:
-                curve.append([round(rec["epoch"], 4), rec["test_acc"]])
-            elif rec.get("event") == "final":
-                final = rec
-    return {"curve": curve, "epochs_to": {str(t): epochs_to(curve, t) for t in targets},
-            "final_acc": final and final.get("test_acc"), "density": final and final.get("density"),
-            "inter_bytes": final and final.get("inter_bytes"), "wall_s": final and final.get("wall_s")}
+    """A finished run as the JSON keeps it, read by ``prunex-hvd report``'s own loader."""
+    run = load_run(run_dir)
+    final = run["final"] or {}
+    curve = [[round(r["epoch"], 4), r["test_acc"]] for r in run["metrics"] if r.get("test_acc") is not None]
+    return {"curve": curve, "epochs_to": {str(t): epochs_to_target(run, t) for t in targets},
+            "final_acc": final.get("test_acc"), "density": final.get("density"),
+            "inter_bytes": final.get("inter_bytes"), "wall_s": final.get("wall_s")}
 
 
 def launch_command(launcher: str, python: str, train_args: List[str]) -> List[str]:

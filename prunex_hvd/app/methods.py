@@ -55,13 +55,13 @@ _MEMBERS = tuple(Method.__annotations__) + tuple(n for n, v in vars(Method).item
 
 def _prunex(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, sample_batch, hierarchical: bool = True):
     from ..optimizer import DistributedOptimizer
-    return DistributedOptimizer(optimizer, model, cfg.consensus, hierarchical=hierarchical)
+    # one flat group has no node to sync within: the recipe's node_sync does not apply to the ablation
+    return DistributedOptimizer(optimizer, model, cfg.consensus, hierarchical=hierarchical,
+                                node_sync=hierarchical and cfg.consensus.node_sync)
 
 
 def _prunex_flat(optimizer, model, cfg, sample_batch):
-    from ..optimizer import DistributedOptimizer
-    # one flat group has no node to sync within: the recipe's node_sync does not apply to the ablation
-    return DistributedOptimizer(optimizer, model, cfg.consensus, hierarchical=False, node_sync=False)
+    return _prunex(optimizer, model, cfg, sample_batch, hierarchical=False)
 
 
 def _dense(optimizer, model, cfg, sample_batch):

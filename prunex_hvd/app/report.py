@@ -761,7 +761,7 @@ def _accuracies(text: str) -> list:
 def run_args(args) -> int:
     """Make the report for parsed arguments; prints the written paths."""
     res = make_report(args.runs, out_dir=args.out, max_mask_layers=args.mask_layers,
-                      targets=getattr(args, "targets", None))
+                      targets=args.targets)
     for p in res["figures"].values():
         print(p)
     print(res["table"])
