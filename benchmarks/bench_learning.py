@@ -90,6 +90,11 @@ VARIANTS: Dict[str, str] = {
     "prunex-dense-restart-sync": prunex("dense", "--restart global --node-sync"),
     "prunex-restart-sync-freeze1": prunex(levers="--restart global --node-sync --freeze-round 1"),
     "prunex-restart-sync-freeze2": prunex(levers="--restart global --node-sync --freeze-round 2"),
+    **{f"prunex-restart-sync-ramp{r}": prunex(levers=f"--restart global --node-sync --keep-ramp-rounds {r}")
+       for r in (4, 6, 8, 12)},
+    "prunex-restart-sync-freeze10": prunex(levers="--restart global --node-sync --freeze-round 10"),
+    "prunex-restart-sync-ramp8-freeze12": prunex(levers="--restart global --node-sync --keep-ramp-rounds 8 "
+                                                        "--freeze-round 12"),
     # the command line's defaults (whatever they are now)
     "prunex": "--method prunex --sparsity channel:0.5",
     "prunex-dense": "--method prunex --sparsity dense",

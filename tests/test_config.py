@@ -10,7 +10,7 @@ import torch
 import prunex_hvd as px
 from models_for_tests import toy_cnn
 from prunex_hvd.app import cli
-from prunex_hvd.app.train import AUTO_FREEZE, RECIPE, TrainConfig
+from prunex_hvd.app.train import AUTO_FREEZE, AUTO_RAMP, RECIPE, TrainConfig
 from prunex_hvd.engine.config import ConsensusConfig, Structure
 
 KNOBS = ConsensusConfig.knob_names()
@@ -93,8 +93,10 @@ def test_the_training_config_embeds_the_consensus_and_reads_flat_names():
     flat = cfg.as_dict()
     assert "consensus" not in flat and {k: flat[k] for k in KNOBS} == cfg.consensus.knobs()
     assert TrainConfig.from_flat(**flat) == cfg   # as_dict and from_flat are each other's inverse
-    default = TrainConfig.from_flat(local_steps=None, freeze_round="auto")   # the command line's defaults
-    assert default == TrainConfig() and default.consensus == RECIPE and default.freeze_fraction == AUTO_FREEZE
+    default = TrainConfig.from_flat(local_steps=None, freeze_round="auto", keep_ramp_rounds="auto")   # the CLI's
+    assert default == TrainConfig() and default.consensus == RECIPE
+    assert (default.freeze_fraction, default.ramp_fraction) == (AUTO_FREEZE, AUTO_RAMP)
+    assert TrainConfig.from_flat(keep_ramp_rounds=5).ramp_fraction is None   # a number asked for counts
     with pytest.raises(TypeError, match="unexpected keyword argument 'rho'"):   # neither a knob nor a field
         TrainConfig.from_flat(rho=0.1)
 
@@ -102,15 +104,18 @@ def test_the_training_config_embeds_the_consensus_and_reads_flat_names():
 @pytest.mark.parametrize("epochs,steps_per_epoch,local_epochs", [(10, 7, 1.0), (9, 10, 1.0), (3, 5, 0.5),
                                                                  (1, 4, 1.0), (12, 3, 1.0)])
 def test_the_schedule_in_epochs_resolves_as_before(epochs, steps_per_epoch, local_epochs):
-    """local_steps from local_epochs and 'auto' freezing at a third of the planned rounds (the formula the
-    trainer used before the config was embedded)."""
+    """local_steps from local_epochs, 'auto' freezing at a third of the planned rounds (the formula the
+    trainer used before the config was embedded) and the 'auto' keep ramp over a quarter of them."""
     resolved = TrainConfig(epochs=epochs, local_epochs=local_epochs).resolved(steps_per_epoch).consensus
     local_steps = max(1, round(local_epochs * steps_per_epoch))
-    total_steps = max(1, round(epochs * steps_per_epoch))
+    rounds = math.ceil(max(1, round(epochs * steps_per_epoch)) / local_steps)
     assert resolved.local_steps == local_steps
-    assert resolved.freeze_round == max(1, math.ceil(total_steps / local_steps) // 3)
-    asked = TrainConfig.from_flat(epochs=epochs, local_steps=4, freeze_round=None).resolved(steps_per_epoch)
-    assert (asked.consensus.local_steps, asked.consensus.freeze_round) == (4, None)
+    assert resolved.freeze_round == max(1, rounds // 3)
+    assert resolved.keep_ramp_rounds == rounds // 4
+    asked = TrainConfig.from_flat(epochs=epochs, local_steps=4, freeze_round=None,
+                                  keep_ramp_rounds=3).resolved(steps_per_epoch)
+    assert (asked.consensus.local_steps, asked.consensus.freeze_round, asked.consensus.keep_ramp_rounds) == \
+        (4, None, 3)
 
 
 def test_every_knob_but_the_methods_own_is_a_flag_with_the_recipe_default():
@@ -135,3 +140,6 @@ def test_every_knob_but_the_methods_own_is_a_flag_with_the_recipe_default():
     assert cli._train_config(parser.parse_args(["train", "--no-node-sync", "--node-sync"])).consensus.node_sync
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--restart", "sometimes"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--keep-ramp-rounds", "soon"])
+    assert cli._train_config(parser.parse_args(["train", "--keep-ramp-rounds", "auto"])).ramp_fraction == AUTO_RAMP

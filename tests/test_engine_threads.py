@@ -152,13 +152,16 @@ def _support(p, masks):
     return apply_masks(torch.ones_like(p), *masks)
 
 
-@pytest.mark.parametrize("layout", [(2, 2), (2, 3), (1, 3)], ids=lambda la: f"{la[0]}x{la[1]}")
-def test_node_sync_steps_match_the_reference(layout):
+@pytest.mark.parametrize("layout,ramp", [((2, 2), 0), ((2, 3), 2), ((1, 3), 0)],
+                         ids=["2x2", "2x3-ramp", "1x3"])
+def test_node_sync_steps_match_the_reference(layout, ramp):
     """node_sync: the ranks of a node take the node's mean gradient, so they hold one θ, which follows the
     single-process reference of data-parallel steps within the node; the rounds still match reference_round,
-    and the node's gradient allreduces are counted on the intra tier only."""
+    and the node's gradient allreduces are counted on the intra tier only. 2x3-ramp adds the keep ramp: the
+    command line's recipe (restart, node_sync, keep ramp)."""
     num_nodes, local_size = layout
-    cluster, runs, _ = train_on_threads(num_nodes, local_size, "chain", "channel:0.5", False, node_sync=True)
+    cluster, runs, _ = train_on_threads(num_nodes, local_size, "chain", "channel:0.5", False, node_sync=True,
+                                        keep_ramp_rounds=ramp)
     node_ranks, eng = cluster[0].topo.node_ranks, runs[0]["engine"]
     want = reference_node_steps(runs, node_ranks, "chain", cases.SETTINGS["rho1"])
     for rnd in range(cases.ROUNDS):

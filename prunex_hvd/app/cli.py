@@ -172,6 +172,15 @@ def _freeze_round(text: str):
         raise argparse.ArgumentTypeError(f"an integer, 'auto' or 'none', not {text!r}") from None
 
 
+def _ramp_rounds(text: str):
+    if text.lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer or 'auto', not {text!r}") from None
+
+
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     from prunex_hvd.app import methods, models
     from prunex_hvd.app.data import DATASETS
@@ -244,6 +253,10 @@ _FLAGS = {
     "freeze_round": dict(type=_freeze_round, default="auto",
                          help="round after which masks freeze: N, auto (a third of the planned rounds) or none "
                               "(only --freeze-patience)"),
+    "keep_ramp_rounds": dict(type=_ramp_rounds, default="auto",
+                             help="rounds over which every keep ratio falls from 1 to its target (cubic), masks "
+                                  "freezing only after: N, auto (a quarter of the planned rounds) or 0 (the "
+                                  "target from round 1)"),
     "adaptive_rho": dict(help="balance primal and dual residuals per layer by rescaling rho (--no-adaptive-rho: "
                               "every rho fixed, or on the --rho-growth schedule)"),
     "masked_retrain": dict(help="after freezing, keep θ on the frozen structure (--no-masked-retrain: only z is "

@@ -37,13 +37,15 @@ from .data import ShardedLoader, load_dataset
 
 
 # The trainer's recipe, chosen by measurement on three tasks (benchmarks/README.md, "Accuracy per epoch"):
-# every rank restarts at z each round, the node's ranks average their gradients every step (node_sync), ρ starts
-# at 0.01 / 0.001 with residual balancing. ResNet-18 on digits at 8×8 (the emulated cluster's task): 80% after
-# 6.0 epochs, 96.25% final (without node_sync 9 epochs, 92.2%; the first recipe, ρ growing 1.3× a round and
-# relaxation 1.3, about 42%). Digits (resnet_small): 95% after 8.8 epochs, 98.89% final (the first recipe on
-# this machine: 12.0 epochs, 98.75%). Synthetic: 80% after 6.0 epochs (the first recipe: 3.5), all at ~100%.
+# every rank restarts at z each round, the node's ranks average their gradients every step (node_sync), the kept
+# fraction ramps from 1 to its target over the first quarter of the rounds (AUTO_RAMP), ρ starts at 0.01 / 0.001
+# with residual balancing. ResNet-18 on digits at 8×8 (the emulated cluster's task): 80% after 4.7 epochs, 98.06%
+# final (without the ramp 5.8, 96.30%; without node_sync 9 epochs, 92.2%; the first recipe, ρ growing 1.3× a
+# round and relaxation 1.3, about 42%). Digits (resnet_small): 95% after 8.8 epochs, 98.44% final (without the
+# ramp 8.8, 98.89%). Synthetic: 80% after 5.0 epochs (without the ramp 6.0), all at ~100%.
 RECIPE = ConsensusConfig(rho1=0.01, rho2=0.001, adaptive_rho=True, restart="global", node_sync=True)
 AUTO_FREEZE = 1 / 3   # --freeze-round auto: masks move for the first third, the rest retrains the structure
+AUTO_RAMP = 1 / 4     # --keep-ramp-rounds auto: the kept fraction falls from 1 to its target over the first quarter
 
 
 @dataclass
@@ -51,7 +53,8 @@ class TrainConfig:
     """Every knob of a run: the consensus's in ``consensus`` (:class:`ConsensusConfig`, the recipe
     :data:`RECIPE` by default), the application's here. The trainer's schedule is in epochs, so two of the
     consensus's knobs are set from it unless asked for: ``local_steps`` from ``local_epochs``, ``freeze_round``
-    from ``freeze_fraction``; with ``None`` there the consensus's own value counts.
+    from ``freeze_fraction`` and ``keep_ramp_rounds`` from ``ramp_fraction``; with ``None`` there the consensus's
+    own value counts.
 
     :meth:`from_flat` builds one from the command line's flat names (``--rho1``, ``--freeze-round auto``, ...)
     and :meth:`as_dict` writes it back flat."""
@@ -65,6 +68,8 @@ class TrainConfig:
     local_epochs: Optional[float] = 1.0        # epochs of local steps per round (None: consensus.local_steps)
     freeze_fraction: Optional[float] = AUTO_FREEZE   # masks freeze after this fraction of the planned rounds
                                                      # (None: consensus.freeze_round, or its patience)
+    ramp_fraction: Optional[float] = AUTO_RAMP       # keep ratios ramp from 1 to their targets over this fraction
+                                                     # of the planned rounds (None: consensus.keep_ramp_rounds)
     batch_size: int = 128
     test_batch_size: int = 256
     lr: float = 0.05
@@ -98,7 +103,8 @@ class TrainConfig:
     def from_flat(cls, **flat) -> "TrainConfig":
         """From flat names, the command line's: the consensus's knobs go into ``consensus`` (on :data:`RECIPE`);
         ``local_steps=N`` asks for N steps a round instead of ``local_epochs``; ``freeze_round`` is ``"auto"``
-        (:data:`AUTO_FREEZE` of the planned rounds), N or None (only the patience)."""
+        (:data:`AUTO_FREEZE` of the planned rounds), N or None (only the patience); ``keep_ramp_rounds`` is
+        ``"auto"`` (:data:`AUTO_RAMP` of the planned rounds) or N (0: no ramp)."""
         knobs = {k: flat.pop(k) for k in ConsensusConfig.knob_names() if k in flat}
         if knobs.get("local_steps", 0) is None:
             del knobs["local_steps"]   # not asked for: local_epochs decides
@@ -107,8 +113,13 @@ class TrainConfig:
         if knobs.get("freeze_round") == "auto":
             del knobs["freeze_round"]
             flat["freeze_fraction"] = AUTO_FREEZE
-        elif "freeze_round" in knobs:
-            flat["freeze_fraction"] = None
+        elif "freeze_round" in knobs:   # a round asked for counts, unless a fraction is named too (as_dict's)
+            flat.setdefault("freeze_fraction", None)
+        if knobs.get("keep_ramp_rounds") == "auto":
+            del knobs["keep_ramp_rounds"]
+            flat["ramp_fraction"] = AUTO_RAMP
+        elif "keep_ramp_rounds" in knobs:
+            flat.setdefault("ramp_fraction", None)
         return cls(consensus=ConsensusConfig.from_knobs(knobs, base=RECIPE, who="TrainConfig"), **flat)
 
     def as_dict(self) -> Dict[str, Any]:
@@ -117,22 +128,25 @@ class TrainConfig:
         return dict(out, **copy.deepcopy(self.consensus.knobs()))
 
     def resolved(self, steps_per_epoch: int) -> "TrainConfig":
-        """The consensus with its schedule set from epochs: ``local_steps`` from ``local_epochs`` and
-        ``freeze_round`` from ``freeze_fraction`` of the planned rounds (where they are not None)."""
+        """The consensus with its schedule set from epochs: ``local_steps`` from ``local_epochs``,
+        ``freeze_round`` from ``freeze_fraction`` and ``keep_ramp_rounds`` from ``ramp_fraction`` of the planned
+        rounds (where they are not None)."""
         c = self.consensus
         local_steps = c.local_steps if self.local_epochs is None else max(1, round(self.local_epochs * steps_per_epoch))
-        total_steps = max(1, round(self.epochs * steps_per_epoch))
+        rounds = math.ceil(max(1, round(self.epochs * steps_per_epoch)) / local_steps)
         freeze_round = c.freeze_round if self.freeze_fraction is None else \
-            max(1, math.floor(math.ceil(total_steps / local_steps) * self.freeze_fraction + 1e-9))
+            max(1, math.floor(rounds * self.freeze_fraction + 1e-9))
+        ramp = c.keep_ramp_rounds if self.ramp_fraction is None else math.floor(rounds * self.ramp_fraction + 1e-9)
         return dataclasses.replace(self, consensus=dataclasses.replace(c, local_steps=local_steps,
-                                                                      freeze_round=freeze_round))
+                                                                      freeze_round=freeze_round,
+                                                                      keep_ramp_rounds=ramp))
 
     def validate(self) -> None:
         for name in ("epochs", "lr"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-        for name in ("local_epochs", "freeze_fraction"):
+        for name in ("local_epochs", "freeze_fraction", "ramp_fraction"):
             v = getattr(self, name)
             if not (v is None or (isinstance(v, (int, float)) and math.isfinite(v) and v > 0)):
                 raise ValueError(f"{name} must be None or a finite number > 0, got {v!r}")
