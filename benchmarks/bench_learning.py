@@ -97,6 +97,8 @@ VARIANTS: Dict[str, str] = {
                                                         "--freeze-round 12"),
     # the command line's defaults (whatever they are now)
     "prunex": "--method prunex --sparsity channel:0.5",
+    "prunex-bf16": "--method prunex --sparsity channel:0.5 --payload-dtype bf16",
+    "prunex-fp16": "--method prunex --sparsity channel:0.5 --payload-dtype fp16",
     "prunex-dense": "--method prunex --sparsity dense",
 }
 

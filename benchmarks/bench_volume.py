@@ -80,7 +80,7 @@ def worker(a) -> None:
     freeze_round = a.freeze_round if a.freeze_round > 0 else None
     opt = px.DistributedOptimizer(base, model, sparsity="channel:0.5", local_steps=a.local_steps,
                                   rho1=a.rho1, rho2=a.rho2, freeze_round=freeze_round, freeze_patience=10**6,
-                                  coupled=a.coupled)
+                                  coupled=a.coupled, payload_dtype=a.payload_dtype)
     couplings = dependencies.channel_couplings(model)
     streams = dependencies.channel_streams(model)
 
@@ -265,7 +265,7 @@ def worker(a) -> None:
                      "local_steps": a.local_steps, "rounds": a.rounds, "freeze_round": freeze_round,
                      "sparsity": "channel:0.5", "coupled": a.coupled, "coupled_pairs": len(couplings),
                      "coupled_streams": len(streams) if a.coupled == "streams" else 0,
-                     "lr": a.lr, "rho1": a.rho1, "rho2": a.rho2,
+                     "lr": a.lr, "rho1": a.rho1, "rho2": a.rho2, "payload_dtype": a.payload_dtype,
                      "threads_per_rank": threads, "train_seconds": round(train_seconds, 1),
                      "sweep_seconds": round(sweep_seconds, 1),
                      "candidate_round": check.get("round")},
@@ -295,6 +295,8 @@ def main():
                    help="run the engine with per-layer channel pruning (the sweep shows every kind either way)")
     c.add_argument("--coupled-streams", dest="coupled", action="store_const", const="streams",
                    help="run the engine with coupled='streams': residual streams coupled as well as pairs")
+    ap.add_argument("--payload-dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                    help="the inter-node exchange's payload (default: the model's dtype; run_totals then count it)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per model launch")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true")
@@ -319,7 +321,8 @@ def main():
                "--batch-size", str(a.batch_size), "--image-size", str(a.image_size),
                "--freeze-round", str(a.freeze_round), "--keeps", ",".join(map(str, a.keeps)),
                "--lr", str(a.lr), "--rho1", str(a.rho1), "--rho2", str(a.rho2)] + \
-            {False: ["--no-coupled"], True: [], "streams": ["--coupled-streams"]}[a.coupled]
+            {False: ["--no-coupled"], True: [], "streams": ["--coupled-streams"]}[a.coupled] + \
+            (["--payload-dtype", a.payload_dtype] if a.payload_dtype else [])
         t_model = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("BENCH_JSON ")), None)

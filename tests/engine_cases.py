@@ -105,10 +105,22 @@ def snapshot(eng):
             "rho1": {e.name: e.rho1 for e in eng.entries}, "rho2": {e.name: e.rho2 for e in eng.entries},
             "masks": {e.name: (e.rows.cpu().clone(), e.cols.cpu().clone()) for e in eng.structured},
             "buffers": {n: b.detach().cpu().clone() for n, b in eng.buffers},
+            "round_buffers": {n: b.cpu().clone() for (n, _), b in zip(eng.buffers, eng._round_buffers)},
+            "ef": {e.name: e.ef.cpu().clone() for e in eng.entries if e.ef is not None},
+            "buffer_ef": {n: ef.cpu().clone() for (n, _), ef in zip(eng.buffers, eng._buffer_ef)},
             "frozen": eng.frozen}
 
 
-def compare(name, got, want, rtol=1e-4, atol=1e-6):
+def compare(name, got, want, rtol=1e-4, atol=1e-6, ulp=None):
+    """``ulp`` (a narrow payload's step at its largest value): a few values may sit one rounding step away
+    (the reference forms z_i in float64, the engine in float32, so a value near a rounding boundary can round
+    the other way), never more than that step, and never many (an error fed back wrongly moves most)."""
+    if ulp is not None:
+        off = ~torch.isclose(got, want, rtol=rtol, atol=atol)
+        assert int(off.sum()) <= max(2, off.numel() // 50), f"{name}: {int(off.sum())} of {off.numel()} values differ"
+        assert float((got - want).abs().max()) <= 1.01 * ulp + atol, \
+            f"{name}: off by {float((got - want).abs().max()):.3g}, more than one payload step {ulp:.3g}"
+        return
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
@@ -122,23 +134,33 @@ def check_round(rnd, before, after, node_ranks, eng):
                            adaptive=c.adaptive_rho, freezes=after[0]["frozen"] and not before[0]["frozen"],
                            couplings=eng.couplings, streams=eng.streams, restart=c.restart,
                            relaxation=c.relaxation, rho_growth=c.rho_growth,
-                           round_specs={n: ramped_spec(s, rnd + 1, c.keep_ramp_rounds) for n, s in specs.items()})
+                           round_specs={n: ramped_spec(s, rnd + 1, c.keep_ramp_rounds) for n, s in specs.items()},
+                           payload=eng.payload_dtype if eng.delta_coded else None)
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
     for r, got in enumerate(after):
         node = node_of[r]
         for name in got["theta"]:
+            ulp = want["ulp"].get(name)   # a narrow payload: z (and so v, θ after a restart) may round apart
             compare(f"round {rnd} rank {r} u[{name}]", got["u"][name], want["u"][r][name])
             compare(f"round {rnd} rank {r} z_i[{name}]", got["z_i"][name], want["z_i"][node][name])
-            compare(f"round {rnd} rank {r} v[{name}]", got["v"][name], want["v"][node][name])
-            compare(f"round {rnd} rank {r} z[{name}]", got["z"][name], want["z"][name])
-            compare(f"round {rnd} rank {r} theta[{name}]", got["theta"][name], want["theta"][r][name])
+            compare(f"round {rnd} rank {r} v[{name}]", got["v"][name], want["v"][node][name], ulp=ulp)
+            compare(f"round {rnd} rank {r} z[{name}]", got["z"][name], want["z"][name], ulp=ulp)
+            compare(f"round {rnd} rank {r} theta[{name}]", got["theta"][name], want["theta"][r][name], ulp=ulp)
             assert got["rho1"][name] == want["rho1"][name], (rnd, r, name, got["rho1"][name], want["rho1"][name])
             assert got["rho2"][name] == want["rho2"][name], (rnd, r, name, got["rho2"][name], want["rho2"][name])
         for name, (rows, cols) in got["masks"].items():
             assert torch.equal(rows, want["masks"][name][0]) and torch.equal(cols, want["masks"][name][1]), \
                 (rnd, r, name)
         for name in got["buffers"]:
-            compare(f"round {rnd} rank {r} buffer {name}", got["buffers"][name], want["buffers"][name])
+            compare(f"round {rnd} rank {r} buffer {name}", got["buffers"][name], want["buffers"][name],
+                    ulp=want["ulp"].get("buffer " + name))
+        if eng.delta_coded:   # the leaders' rounding errors, sent again next round; nobody else keeps one
+            leader = r == node_ranks[node][0]
+            for key in ("ef", "buffer_ef"):
+                for name, ef in got[key].items():
+                    compare(f"round {rnd} rank {r} {key}[{name}]", ef,
+                            want[key][name][node] if leader else torch.zeros_like(ef),
+                            ulp=want["ulp"][name if key == "ef" else "buffer " + name])
     return {"frozen_before": before[0]["frozen"],
             "compact": {n: [int(r.sum()), int(c.sum())] for n, (r, c) in want["sent_masks"].items()}}
 
@@ -183,11 +205,12 @@ def ring_allreduce_bytes(payload, members):
     return 2 * (members - 1) * payload // members
 
 
-def check_results(results, specs, mask_itemsize=1, couplings=None, streams=()):
+def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), payload_bytes=FLOAT_BYTES):
     """What every rank reported after ``ROUNDS`` rounds on M nodes × P ranks: the reference checks ran; the
     leaders' inter-node payload is exactly the compact sizes (plus masks and the residual sum) while non-leaders
     send nothing across (with one node nothing crosses at all); the model is at the requested structure after
-    finalize(), the same density on every rank."""
+    finalize(), the same density on every rank. ``payload_bytes``: the size of one value of the consensus
+    exchange (2 with a bf16 / fp16 payload; the dense counterfactual stays in the model's float32)."""
     topo = results[0]["topology"]
     num_nodes, size = topo["num_nodes"], topo["size"]
     assert results[0]["couplings"] == (couplings or {})
@@ -198,7 +221,7 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=()):
     shapes, numels = results[0]["shapes"], results[0]["numels"]
     dense_numel = sum(n for name, n in numels.items() if name not in specs) + results[0]["buffer_numel"]
     mask_bytes = sum(shapes[n][0] + shapes[n][1] * shapes[n][2] * shapes[n][3] for n in specs) * mask_itemsize
-    per_round = [FLOAT_BYTES * (dense_numel + sum(r * c for r, c in rr["compact"].values())) for rr in ref_rounds]
+    per_round = [payload_bytes * (dense_numel + sum(r * c for r, c in rr["compact"].values())) for rr in ref_rounds]
     unfrozen = sum(not rr["frozen_before"] for rr in ref_rounds)
     # per-layer residual sums (float64) + each rank's round, step count, inf/NaN flag + per-layer inf/NaN flags
     residuals = ROUNDS * (len(numels) * 3 + size * 3 + len(numels) + 1) * 8

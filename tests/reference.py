@@ -89,19 +89,52 @@ def ramped_spec(spec, round_no, ramp_rounds):
                     for kind, k in (part.split(":") for part in str(spec).split("+")))
 
 
+def _rounded_changes(targets, old, errors, payload, support):
+    """Per node: q = round(target − old + e) in ``payload`` (float32 arithmetic, as the engine's state), off the
+    support nothing; the new error (target − old + e − q on the support). Returns ([q], [new error])."""
+    sent, new_errors = [], []
+    for target, error in zip(targets, errors):
+        delta = target - old + error
+        q = delta.to(payload).masked_fill(~support, 0)
+        sent.append(q)
+        new_errors.append((delta - q.float()).masked_fill(~support, 0))
+    return sent, new_errors
+
+
+def payload_ulp(sent) -> float:
+    """One step of the payload's dtype at the largest value sent: how far one value rounded the other way
+    (the engine forms z_i in float32, this reference in float64) can move z or an error."""
+    biggest = max(float(q.float().abs().max()) for q in sent)
+    return biggest * torch.finfo(sent[0].dtype).eps
+
+
+def _payload_average(sent):
+    """The leaders' average of their payloads as the transports do it: added up in node order in the payload's
+    dtype (each add rounded once), divided by M, then widened."""
+    total = sent[0].clone()
+    for q in sent[1:]:
+        total.add_(q)
+    return total.div_(len(sent)).float()
+
+
 def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, freezes=False,
-                    couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0, round_specs=None):
+                    couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0, round_specs=None,
+                    payload=None):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
     frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers, and θ
     per rank (where ``restart`` moves it). ``freezes``: the masks freeze at the end of this round, cut to the
     requested structure from z. ``relaxation`` α: the next tier and the duals see α·θ + (1 − α)·z_i_old and
     α·z_i + (1 − α)·z_old; ``rho_growth``: every ρ times it after balancing, capped; ``round_specs``: the specs
-    this round projects onto (a keep ramp), ``specs`` by default."""
+    this round projects onto (a keep ramp), ``specs`` by default. ``payload`` (a torch dtype narrower than
+    float32, M > 1): what the leaders send is rounded(z_i + v_i − z_old + e_i) on the support, e_i their
+    leftover rounding error (``ef``, ``buffer_ef`` in the states, returned updated), added up in node order in
+    the payload's dtype, averaged, and added to z_old (the float buffers likewise against ``round_buffers``)."""
     M, P = len(node_ranks), len(node_ranks[0])
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
     frozen = states[0]["frozen"]
     out = {"u": [{} for _ in states], "z_i": [{} for _ in range(M)], "v": [{} for _ in range(M)], "z": {},
-           "rho1": {}, "rho2": {}, "masks": {}, "sent_masks": {}, "buffers": {}, "residuals": {}}
+           "rho1": {}, "rho2": {}, "masks": {}, "sent_masks": {}, "buffers": {}, "residuals": {}, "ef": {},
+           "buffer_ef": {}, "ulp": {}}
     d = lambda t: t.double()  # noqa: E731
     couplings = couplings or {}
     alpha = relaxation
@@ -137,7 +170,15 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             support = torch.outer(rows, cols).reshape(z_old.shape).double()
         v = [d(states[ranks[0]]["v"][name]) for ranks in node_ranks]
         relaxed_z_i = [alpha * z_i[i] + (1 - alpha) * z_old for i in range(M)]
-        z = torch.stack([relaxed_z_i[i] + v[i] for i in range(M)]).mean(0) * support
+        if payload is None:
+            z = torch.stack([relaxed_z_i[i] + v[i] for i in range(M)]).mean(0) * support
+        else:
+            sent, out["ef"][name] = _rounded_changes([(relaxed_z_i[i] + v[i]).float() for i in range(M)],
+                                                     states[0]["z"][name],
+                                                     [states[ranks[0]]["ef"][name] for ranks in node_ranks],
+                                                     payload, support.bool())
+            z = d(_payload_average(sent) + states[0]["z"][name].masked_fill(~support.bool(), 0))
+            out["ulp"][name] = payload_ulp(sent)
         # consensus ADMM (Boyd et al. §7.1): every copy counts on both sides. The copies of z_i are the M·P
         # ranks' θ (each rank's own z_i moved), the copies of z are the M nodes' z_i.
         r_intra = math.sqrt(sum(float((d(states[r]["theta"][name]) - z_i[node_of[r]]).pow(2).sum())
@@ -166,7 +207,17 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             out["masks"][name] = (rows, cols)
             out["z"][name] = out["z"][name] * torch.outer(rows, cols).reshape(out["z"][name].shape)
     for name in states[0]["buffers"]:
-        out["buffers"][name] = torch.stack([d(s["buffers"][name]) for s in states]).mean(0).float()
+        if payload is None:
+            out["buffers"][name] = torch.stack([d(s["buffers"][name]) for s in states]).mean(0).float()
+            continue
+        node_means = [torch.stack([d(states[r]["buffers"][name]) for r in ranks]).mean(0).float()
+                      for ranks in node_ranks]
+        ones = torch.ones_like(node_means[0], dtype=torch.bool)
+        sent, out["buffer_ef"][name] = _rounded_changes(
+            node_means, states[0]["round_buffers"][name], [states[ranks[0]]["buffer_ef"][name] for ranks in node_ranks],
+            payload, ones)
+        out["buffers"][name] = states[0]["round_buffers"][name] + _payload_average(sent)
+        out["ulp"]["buffer " + name] = payload_ulp(sent)
     # where θ starts the next local steps: the consensus (after the freeze's cut), or where the steps left it
     out["theta"] = [{name: out["z"][name] if restart == "global" else
                      out["z_i"][node_of[r]][name] if restart == "node" else s["theta"][name]

@@ -72,7 +72,7 @@ def test_ranks_compare_every_knob():
                "adaptive_rho": False, "weight_decay_z": 0.1, "freeze_round": 2, "freeze_patience": 9,
                "masked_retrain": False, "coupled": True, "bucket_mb": 1.0, "backend": "gloo",
                "hierarchical": False, "restart": "node", "relaxation": 1.5, "rho_growth": 1.3,
-               "keep_ramp_rounds": 4, "node_sync": True}
+               "keep_ramp_rounds": 4, "node_sync": True, "payload_dtype": "bf16"}
     assert set(changed) == set(KNOBS)
     for name, value in changed.items():
         other = dataclasses.replace(base, **{name: value})
@@ -83,7 +83,7 @@ def test_ranks_compare_every_knob():
                           adaptive_rho="rho", weight_decay_z="rho", freeze_round="freezing",
                           freeze_patience="freezing", masked_retrain="freezing", restart="round",
                           relaxation="round", rho_growth="rho", keep_ramp_rounds="freezing",
-                          node_sync="round").get(name, name)}), name
+                          node_sync="round", payload_dtype="round").get(name, name)}), name
 
 
 def test_the_training_config_embeds_the_consensus_and_reads_flat_names():
@@ -129,14 +129,16 @@ def test_every_knob_but_the_methods_own_is_a_flag_with_the_recipe_default():
             "--bucket-mb", "2", "--backend", "gloo", "--local-steps", "6", "--freeze-round", "4",
             "--freeze-patience", "5", "--weight-decay-z", "0.1", "--rho-max", "3", "--rho2", "0.2",
             "--sparsity", '{"*": "filter:0.5"}', "--restart", "node", "--relaxation", "1.5", "--rho-growth", "1.2",
-            "--keep-ramp-rounds", "2", "--no-node-sync"]
+            "--keep-ramp-rounds", "2", "--no-node-sync", "--payload-dtype", "fp16"]
     got = cli._train_config(parser.parse_args(argv)).consensus
     assert got == ConsensusConfig(sparsity={"*": "filter:0.5"}, local_steps=6, rho1=0.3, rho2=0.2, rho_max=3.0,
                                   adaptive_rho=False, weight_decay_z=0.1, freeze_round=4, freeze_patience=5,
                                   masked_retrain=False, coupled="streams", bucket_mb=2.0, backend="gloo",
-                                  restart="node", relaxation=1.5, rho_growth=1.2, keep_ramp_rounds=2)
+                                  restart="node", relaxation=1.5, rho_growth=1.2, keep_ramp_rounds=2,
+                                  payload_dtype="fp16")
     # the recipe turns node_sync on; the last of --no-node-sync / --node-sync wins
     assert RECIPE.node_sync is True and ConsensusConfig().node_sync is False
+    assert RECIPE.payload_dtype == "bf16" and ConsensusConfig().payload_dtype is None
     assert cli._train_config(parser.parse_args(["train", "--no-node-sync", "--node-sync"])).consensus.node_sync
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--restart", "sometimes"])

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.launch
 MIXED_ARG = json.dumps(MIXED_SPARSITY)
 
 
-def check(proc, tmp_path, specs, mask_itemsize=1, couplings=None, streams=()):
-    check_results(worker_results(proc, tmp_path, "engine"), specs, mask_itemsize, couplings, streams)
+def check(proc, tmp_path, specs, mask_itemsize=1, couplings=None, streams=(), payload_bytes=4):
+    check_results(worker_results(proc, tmp_path, "engine"), specs, mask_itemsize, couplings, streams, payload_bytes)
 
 
 @needs_mpirun
@@ -43,6 +43,17 @@ def test_engine_mpirun_node_sync(tmp_path):
     proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "mpi", "--node-sync", "--out", str(tmp_path)),
                       ["PRUNEX_RANKS_PER_NODE=2"]))
     check(proc, tmp_path, CHANNEL)
+
+
+@needs_mpirun
+@pytest.mark.parametrize("payload", ["bf16", "fp16"])
+def test_engine_mpirun_half_payload(tmp_path, payload):
+    """A 2-byte payload across nodes under MPI (which has no half-precision types: our own reduction ops): the
+    rounds match the reference of the rounded change with error feedback (the worker checks), and the leaders'
+    consensus bytes are exactly half of float32's."""
+    proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "mpi", "--payload-dtype", payload,
+                                    "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
+    check(proc, tmp_path, CHANNEL, payload_bytes=2)
 
 
 @needs_horovod

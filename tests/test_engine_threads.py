@@ -34,10 +34,14 @@ RUNS = [(layout, "channel") for layout in LAYOUTS] + \
 LEVERS = {"paper-round": dict(restart="none"),   # the default restarts: this keeps θ where its steps left it
           "restart-node": dict(restart="node", relaxation=0.7),
           "relaxed": dict(relaxation=1.6),
-          "all": dict(restart="global", relaxation=1.6, rho_growth=1.3, keep_ramp_rounds=2)}
+          "all": dict(restart="global", relaxation=1.6, rho_growth=1.3, keep_ramp_rounds=2),
+          # a narrow payload: the change since z, rounded, with error feedback (reference: the same rounding)
+          "bf16": dict(payload_dtype="bf16"),
+          "fp16-relaxed": dict(payload_dtype="fp16", relaxation=1.6, keep_ramp_rounds=2)}
 LEVER_RUNS = [((2, 2), "channel", "paper-round"), ((2, 3), "mixed", "paper-round"), ((2, 3), "channel", "restart-node"),
               ((2, 2), "mixed", "relaxed"), ((2, 3), "channel", "all"), ((1, 3), "channel", "all"),
-              ((2, 2), "coupled", "all"), ((2, 2), "streams", "all")]
+              ((2, 2), "coupled", "all"), ((2, 2), "streams", "all"), ((2, 2), "channel", "bf16"),
+              ((2, 3), "mixed", "bf16"), ((2, 2), "coupled", "fp16-relaxed")]
 
 
 def train_on_threads(num_nodes, local_size, kind, sparsity, coupled, **knobs):
@@ -93,12 +97,33 @@ def test_rounds_match_the_reference(layout, case, levers):
 
     results = [run["result"] for run in runs]
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
-    cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams)
+    cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
+                        payload_bytes=eng.payload_dtype.itemsize)
     for rank in cluster:   # every record as the ring model puts it: only the leaders' ring crosses nodes
         for rec in rank.ledger.records:
             crossing = rec.tier == "inter" and num_nodes > 1
             want = cases.ring_allreduce_bytes(rec.payload_bytes, num_nodes) if crossing else 0
             assert rec.cross_node_bytes == want, (rank.topo.rank, rec)
+
+
+def test_half_payload_errors_are_kept_in_state_dict():
+    """The leaders' rounding errors (error feedback) are engine state: saved, restored, zero on the ranks that
+    send nothing across and in a checkpoint written without them."""
+    cluster, runs, _ = train_on_threads(2, 2, "chain", "channel:0.5", False, payload_dtype="bf16")
+    for rank, run in zip(cluster, runs):
+        eng = run["engine"]
+        sd = eng.state_dict()
+        errors = [s["ef"] for s in sd["entries"].values()] + list(sd["buffer_ef"].values())
+        assert any(bool(t.any()) for t in errors) == rank.topo.is_leader
+        for e in eng.entries:
+            e.ef.fill_(7.0)
+        eng.load_state_dict(sd)
+        assert all(torch.equal(e.ef, sd["entries"][e.name]["ef"]) for e in eng.entries)
+        for s in sd["entries"].values():
+            del s["ef"]
+        del sd["buffer_ef"]
+        eng.load_state_dict(sd)
+        assert not any(bool(e.ef.any()) for e in eng.entries) and not any(bool(t.any()) for t in eng._buffer_ef)
 
 
 def reference_node_steps(runs, node_ranks, kind, rho_of):

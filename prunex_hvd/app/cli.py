@@ -261,6 +261,10 @@ _FLAGS = {
                               "every rho fixed, or on the --rho-growth schedule)"),
     "masked_retrain": dict(help="after freezing, keep θ on the frozen structure (--no-masked-retrain: only z is "
                                 "masked)"),
+    "payload_dtype": dict(choices=("fp32", "bf16", "fp16"),
+                          help="what the inter-node exchange carries (default: the model's dtype); bf16 / fp16 "
+                               "send the change since the last consensus, rounded, with error feedback: half "
+                               "the bytes"),
     "backend": dict(group="job"),
     "hierarchical": None,   # the method decides: prunex or prunex-flat
 }
@@ -295,7 +299,7 @@ def _consensus_flags(groups: dict) -> None:
         else:
             kind = special.get("type", {"float": float, "int": int}.get(f.type))   # annotations are strings
             g.add_argument(flag, type=kind, default=special.get("default", default), help=special.get("help", text),
-                           choices=RESTARTS if f.name == "restart" else None)
+                           choices=RESTARTS if f.name == "restart" else special.get("choices"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,7 +48,7 @@ from ..dist import watchdog
 from ..dist.comm.accounting import ledger as default_ledger, ring_cross_node_bytes
 from . import admm, sparsity
 from .buckets import BucketLayout
-from .config import ConsensusConfig, Structure
+from .config import PAYLOAD_DTYPES, ConsensusConfig, Structure
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class Entry:
     col_idx: Optional[torch.Tensor] = None
     plan: Optional[sparsity.Plan] = None   # shrink and recover as one pass each, while masks hold
     residuals: Dict[str, float] = field(default_factory=dict)
+    ef: Optional[torch.Tensor] = None      # a narrow payload's rounding error, sent again next round (leaders)
 
     def set_masks(self, rows: torch.Tensor, cols: torch.Tensor) -> None:
         self.rows, self.cols = rows, cols
@@ -116,13 +117,18 @@ class HSADMM:
         self.dtype, self.device = dtypes.pop(), devices.pop()   # the payload's dtype: the model's
         self.state_dtype = admm.state_dtype(self.dtype)
         self.inter_tier = topo.num_nodes > 1   # one node: z = z_i, nothing to balance across nodes
+        # what crosses nodes; narrower than the state: the change since the last z, with error feedback
+        self.payload_dtype = PAYLOAD_DTYPES[config.payload_dtype] or self.dtype
+        self.delta_coded = (self.inter_tier and config.payload_dtype is not None
+                            and self.payload_dtype.itemsize < self.state_dtype.itemsize)
 
         self._broadcast_model(params)
         self.entries: List[Entry] = []
         for name, p in params:
             theta = p.detach().to(self.state_dtype)
             e = Entry(name, p, structure.specs.get(name), u=torch.zeros_like(theta), z_i=theta.clone(),
-                      v=torch.zeros_like(theta), z=theta.clone(), rho1=float(config.rho1), rho2=float(config.rho2))
+                      v=torch.zeros_like(theta), z=theta.clone(), rho1=float(config.rho1), rho2=float(config.rho2),
+                      ef=torch.zeros_like(theta) if self.delta_coded else None)
             if e.structured:   # masks start all ones
                 c_out = theta.shape[0]
                 e.set_masks(torch.ones(c_out, dtype=torch.bool, device=self.device),
@@ -133,6 +139,9 @@ class HSADMM:
         self.frozen = False
         self.finalized = False
         self._round_buffers = [b.clone() for _, b in self.buffers]   # averaged in the last round: z's partner
+        self._buffer_ef = [torch.zeros_like(b, dtype=self.state_dtype) for _, b in self.buffers] \
+            if self.delta_coded else []
+        self._pending_ef: Optional[list] = None   # this round's new errors, kept once the round is accepted
         self.stable_rounds = 0
         self.mask_drift = 0.0
         self.bytes = {"inter": 0, "intra": 0, "inter_consensus": 0, "dense_inter": 0}
@@ -309,25 +318,46 @@ class HSADMM:
 
     def _exchange(self, z_i_new: List[torch.Tensor]) -> BucketLayout:
         """Phase 4: leaders shrink z_i + v_i onto the global support and average the compact buckets across
-        nodes, then hand them to their node. One node: z = z_i + v, every rank has it, nothing to exchange."""
+        nodes, then hand them to their node. One node: z = z_i + v, every rank has it, nothing to exchange.
+        A narrow payload (``delta_coded``) carries z_i + v_i − z + e instead, rounded; e, the rounding error,
+        is sent again next round (error feedback), and z is recovered as z + the average."""
         n, P = len(self.entries), self.topo.local_size
         layout = self._compact_layout()
+        self._pending_ef = []
         if self.topo.is_leader or not self.inter_tier:
             for k, e in enumerate(self.entries):   # (over-relaxed: α·z_i + (1 − α)·z in place of z_i)
-                c = (self._relaxed_node(z_i_new[k], e) + e.v).to(self.dtype)   # the payload's dtype: one pass
+                c = self._relaxed_node(z_i_new[k], e) + e.v
+                c = self._delta(c, e.z, e.ef, e) if self.delta_coded else c.to(self.payload_dtype)   # one pass
                 if e.structured:
                     sparsity.shrink_into(c, e.row_idx, e.col_idx, layout.views[k], plan=e.plan)
                 else:
                     layout.views[k].copy_(c.reshape(-1))
-            for j in range(len(self.buffers)):
-                torch.div(self._dense.views[n + j], P, out=layout.views[n + j])
+            for j, (_, b) in enumerate(self.buffers):
+                mean = self._dense.views[n + j].view_as(b) / P
+                if self.delta_coded:
+                    mean = self._delta(mean.to(self.state_dtype), self._round_buffers[j].to(self.state_dtype),
+                                       self._buffer_ef[j], None)
+                layout.views[n + j].copy_(mean.reshape(-1))
         with self.ledger.tagged("consensus"):
             for buf in layout.buffers:
                 self.groups.leaders_then_node_(buf, "avg", self.topo.num_nodes)
         return layout
 
+    def _delta(self, target: torch.Tensor, z: torch.Tensor, ef: torch.Tensor, e: Optional[Entry]) -> torch.Tensor:
+        """What a narrow payload carries for one tensor: q = round(target − z + ef) in the payload's dtype. The
+        new error target − z + ef − q (on the global support: pruned entries are dropped, as z's are) waits in
+        ``_pending_ef`` until the round is accepted."""
+        delta = target.sub_(z).add_(ef)   # ``target`` is the caller's own temporary
+        q = delta.to(self.payload_dtype)
+        error = delta.sub_(q)
+        if e is not None and e.structured:
+            error = sparsity.apply_masks(error, e.rows, e.cols)
+        self._pending_ef.append(error)
+        return q
+
     def _recover(self, layout: BucketLayout) -> List[torch.Tensor]:
-        """Phase 5: z of every entry from the compact buckets (one pass per layer), in the state's dtype."""
+        """Phase 5: z of every entry from the compact buckets (one pass per layer), in the state's dtype
+        (a narrow payload's average is the change: added to the last z, cut to the new support)."""
         z_new = []
         for k, e in enumerate(self.entries):
             if k in self._gathers:   # one gather of whole chunks from the bucket (see _compact_layout)
@@ -336,7 +366,10 @@ class HSADMM:
                 z = sparsity.recover(layout.views[k], e.row_idx, e.col_idx, e.z.shape, plan=e.plan)
             else:
                 z = layout.views[k].view_as(e.z).clone()
-            z_new.append(z.to(self.state_dtype))
+            z = z.to(self.state_dtype)
+            if self.delta_coded:
+                z += sparsity.apply_masks(e.z, e.rows, e.cols) if e.structured else e.z
+            z_new.append(z)
         return z_new
 
     def _verdict(self, z_i_new, z_new, nonfinite: List[bool], steps: Optional[int]):
@@ -379,8 +412,15 @@ class HSADMM:
             e.z_i, e.z = z_i_new[k], z_new[k]
         n = len(self.entries)
         for j, (_, b) in enumerate(self.buffers):
-            b.copy_(layout.views[n + j].view_as(b))
+            avg = layout.views[n + j].view_as(b)
+            if self.delta_coded:   # the change of the averaged buffers
+                avg = (self._round_buffers[j].to(self.state_dtype) + avg.to(self.state_dtype)).to(b.dtype)
+            b.copy_(avg)
             self._round_buffers[j].copy_(b)
+        if self.delta_coded and self._pending_ef:   # leaders: the errors of this round's rounding
+            for ef, new in zip([e.ef for e in self.entries] + self._buffer_ef, self._pending_ef):
+                ef.copy_(new)
+        self._pending_ef = None
 
     def _relaxed_theta(self, e: Entry) -> torch.Tensor:
         """What the z_i-step and u's update see of θ: α·θ + (1 − α)·z_i, with this round's old z_i (θ itself at
@@ -491,7 +531,9 @@ class HSADMM:
         if bad or bad_ranks:
             shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
             source = (f"θ + u of rank{'s' if len(bad_ranks) > 1 else ''} {_ranks(bad_ranks)}" if bad_ranks
-                      else "the consensus (it overflowed from finite inputs)")
+                      else "the consensus (it overflowed from finite inputs"
+                      + ("; payload_dtype='fp16' holds changes up to 65504 only: use 'bf16'"
+                         if self.payload_dtype == torch.float16 and self.delta_coded else "") + ")")
             if bad_ranks and self.config.node_sync and self.topo.local_size > 1:
                 source += (" (node_sync: the ranks of a node average their gradients, so one rank's bad batch "
                            "reaches every rank of its node)")
@@ -539,10 +581,11 @@ class HSADMM:
         if changed:
             self._compact = None   # the compact shapes changed: new buckets
 
-    def _layout(self, param_numels, zero_tail: int = 0) -> BucketLayout:
-        """Buckets for one number per parameter, then the float buffers (always dense)."""
-        return BucketLayout(list(param_numels) + [b.numel() for _, b in self.buffers], self.dtype, self.device,
-                            self.bucket_bytes, zero_tail=zero_tail)
+    def _layout(self, param_numels, zero_tail: int = 0, dtype: Optional[torch.dtype] = None) -> BucketLayout:
+        """Buckets for one number per parameter, then the float buffers (always dense), in ``dtype`` (the
+        model's by default)."""
+        return BucketLayout(list(param_numels) + [b.numel() for _, b in self.buffers], dtype or self.dtype,
+                            self.device, self.bucket_bytes, zero_tail=zero_tail)
 
     def _compact_layout(self) -> BucketLayout:
         """The compact buckets, made again whenever the masks change. Layers with a gather plan (CUDA; CPU
@@ -552,7 +595,8 @@ class HSADMM:
         if self._compact is None:
             tail = 2 * max((e.plan.chunk for e in self.structured if isinstance(e.plan, sparsity.GatherPlan)),
                            default=0)
-            self._compact = self._layout((e.compact_numel() for e in self.entries), zero_tail=tail)
+            self._compact = self._layout((e.compact_numel() for e in self.entries), zero_tail=tail,
+                                         dtype=self.payload_dtype)
         if self._gathers_of is not self._compact:   # a new layout, or one restored with its masks
             self._gathers, self._gathers_of = {}, self._compact
             for k, e in enumerate(self.entries):
@@ -583,12 +627,13 @@ class HSADMM:
         else:                                 # flat: every rank's dense θ+u sum is the exchange
             carrier, compact_numel = self.groups.intra, self._dense.total_numel
 
-        def on_carrier(numel: int) -> int:
+        def on_carrier(numel: int, dtype: torch.dtype) -> int:
             if carrier is None:
                 return 0
-            sizes = [numel * self.dtype.itemsize] * carrier.size
+            sizes = [numel * carrier.wire_dtype(dtype).itemsize] * carrier.size
             return ring_cross_node_bytes("allreduce", sizes, carrier.rank, carrier.nodes)
-        consensus, dense = on_carrier(compact_numel), on_carrier(self._dense.total_numel)
+        consensus = on_carrier(compact_numel, self.payload_dtype if self.topo.num_nodes > 1 else self.dtype)
+        dense = on_carrier(self._dense.total_numel, self.dtype)   # the dense exchange in the model's dtype
         self.bytes["inter"] += cross
         self.bytes["intra"] += wire - cross
         self.bytes["inter_consensus"] += consensus
@@ -651,9 +696,11 @@ class HSADMM:
             "entries": {e.name: {"u": e.u.clone(), "z_i": e.z_i.clone(), "v": e.v.clone(), "z": e.z.clone(),
                                  "rho1": e.rho1, "rho2": e.rho2, "residuals": dict(e.residuals),
                                  "rows": None if e.rows is None else e.rows.clone(),
-                                 "cols": None if e.cols is None else e.cols.clone()}
+                                 "cols": None if e.cols is None else e.cols.clone(),
+                                 "ef": None if e.ef is None else e.ef.clone()}
                         for e in self.entries},
             "round_buffers": {name: b.clone() for (name, _), b in zip(self.buffers, self._round_buffers)},
+            "buffer_ef": {name: ef.clone() for (name, _), ef in zip(self.buffers, self._buffer_ef)},
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -669,6 +716,8 @@ class HSADMM:
             for key in ("u", "z_i", "v", "z"):
                 getattr(e, key).copy_(s[key])
             e.rho1, e.rho2, e.residuals = float(s["rho1"]), float(s["rho2"]), dict(s["residuals"])
+            if e.ef is not None:   # a narrow payload's pending error (zero if saved without one)
+                e.ef.copy_(s["ef"] if s.get("ef") is not None else torch.zeros_like(e.ef))
             if e.structured:
                 e.set_masks(s["rows"].to(self.device).clone(), s["cols"].to(self.device).clone())
         self.round, self.frozen = int(sd["round"]), bool(sd["frozen"])
@@ -677,5 +726,8 @@ class HSADMM:
         saved = sd.get("round_buffers", {})   # absent in older checkpoints: saved at a round, buffers were averaged
         for (name, b), avg in zip(self.buffers, self._round_buffers):
             avg.copy_(saved.get(name, b))
+        saved_ef = sd.get("buffer_ef", {})
+        for (name, _), ef in zip(self.buffers, self._buffer_ef):
+            ef.copy_(saved_ef[name] if name in saved_ef else torch.zeros_like(ef))
         self._compact = self._support = None
         self._refresh_prox()

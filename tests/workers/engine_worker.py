@@ -30,6 +30,8 @@ def main():
     ap.add_argument("--coupled-streams", dest="coupled", action="store_const", const="streams")
     ap.add_argument("--model", default="chain", choices=("chain", "residual"))
     ap.add_argument("--node-sync", action="store_true", help="the node's ranks average gradients every step")
+    ap.add_argument("--payload-dtype", default=None, choices=("bf16", "fp16"),
+                    help="the inter-node exchange's payload: the rounded change since z, with error feedback")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
@@ -41,7 +43,7 @@ def main():
     model = cases.make_model(a.model, topo.rank).to(a.device)
     spec = json.loads(a.sparsity) if a.sparsity.startswith("{") else a.sparsity
     opt = px.DistributedOptimizer(cases.sgd(model), model, sparsity=spec, local_steps=10**6, backend=a.backend,
-                                  coupled=a.coupled, node_sync=a.node_sync,
+                                  coupled=a.coupled, node_sync=a.node_sync, payload_dtype=a.payload_dtype,
                                   **dict(cases.SETTINGS, freeze_round=a.freeze_round))
     eng = opt._engine
     cases.assert_same_everywhere(control.allgather_object(cases.model_state(model)), "after construction")

@@ -32,8 +32,8 @@ class Communicator:
     has_bor = True  # False: bitwise-or is done as MAX, exact only for 0/1 masks (checked)
     pads_allgather = False  # True: unequal allgathers travel padded to the largest member (accounted so)
     # dtypes the backend reduces natively; others travel widened (and are accounted at the wider size)
-    reducible = frozenset({torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
-                           torch.int32, torch.int64})
+    reducible = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
+                           torch.int16, torch.int32, torch.int64})
 
     def __init__(self, tier: str, ranks: Sequence[int], nodes: Sequence[int], rank: int,
                  ledger: Optional[CommLedger] = None):

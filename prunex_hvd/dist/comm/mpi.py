@@ -20,8 +20,10 @@ def _buf(t: torch.Tensor) -> np.ndarray:
 class MPICommunicator(Communicator):
     backend = "mpi"
     has_bor = True
+    # MPI has no half-precision types: float16 / bfloat16 travel as 2-byte words reduced by our own ops
+    # (:func:`_half_ops`), each add done in float32 and rounded once, as torch adds half tensors
     reducible = frozenset({torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8, torch.int8,
-                           torch.int16})  # what MPI sums through numpy (no float16 / bfloat16)
+                           torch.int16, torch.float16, torch.bfloat16})
 
     def __init__(self, comm, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -31,7 +33,11 @@ class MPICommunicator(Communicator):
 
     @staged_on_cpu
     def _allreduce(self, tensor, op):
-        self.comm.Allreduce(self.MPI.IN_PLACE, _buf(tensor), op=self.MPI.MAX if op == "max" else self.MPI.SUM)
+        if tensor.dtype in (torch.float16, torch.bfloat16):
+            mpi_op = _half_ops(self.MPI)[tensor.dtype, "max" if op == "max" else "sum"]
+            self.comm.Allreduce(self.MPI.IN_PLACE, [_buf(tensor.view(torch.int16)), self.MPI.SHORT], op=mpi_op)
+        else:
+            self.comm.Allreduce(self.MPI.IN_PLACE, _buf(tensor), op=self.MPI.MAX if op == "max" else self.MPI.SUM)
         if op == "avg":
             tensor.div_(self.size)
 
@@ -62,6 +68,40 @@ class MPICommunicator(Communicator):
 
     def _barrier(self):
         self.comm.Barrier()
+
+
+_HALF_OPS: dict = {}
+
+
+def _to_float32(words: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    if dtype == torch.float16:
+        return words.view(np.float16).astype(np.float32)
+    return (words.astype(np.uint32) << 16).view(np.float32)   # bfloat16: the high half of a float32
+
+
+def _from_float32(x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Round to nearest even, as torch does (NaN stays NaN)."""
+    if dtype == torch.float16:
+        with np.errstate(over="ignore"):   # beyond 65504: inf, as torch rounds it
+            return x.astype(np.float16).view(np.int16)
+    bits = x.view(np.uint32)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    rounded = np.where(np.isnan(x), (bits >> 16) | 0x40, rounded)   # keep NaN quiet, never round it to inf
+    return rounded.astype(np.uint16).view(np.int16)
+
+
+def _half_ops(MPI) -> dict:
+    """``{(dtype, "sum" | "max"): MPI.Op}`` for float16 and bfloat16 carried as MPI.SHORT: each pair of values
+    widened to float32, combined, rounded once (commutative, so MPI may use any algorithm)."""
+    if not _HALF_OPS:
+        for dtype in (torch.float16, torch.bfloat16):
+            for name, combine in (("sum", np.add), ("max", np.maximum)):
+                def reduce(inbuf, inoutbuf, datatype, dtype=dtype, combine=combine):
+                    a = np.frombuffer(inbuf, dtype=np.int16)
+                    out = np.frombuffer(inoutbuf, dtype=np.int16)
+                    out[:] = _from_float32(combine(_to_float32(a, dtype), _to_float32(out, dtype)), dtype)
+                _HALF_OPS[dtype, name] = MPI.Op.Create(reduce, commute=True)
+    return _HALF_OPS
 
 
 def _bytes(t: torch.Tensor):
