@@ -63,6 +63,16 @@ def test_engine_horovodrun_horovod(tmp_path):
     check(proc, tmp_path, CHANNEL, mask_itemsize=4)   # Horovod ORs masks as int32
 
 
+@needs_horovod
+def test_engine_horovodrun_bf16_payload(tmp_path):
+    """Horovod reduces no bfloat16: the payload travels widened to float32 (and is counted so), node
+    broadcasts carry its bits as int16; the rounds still match the reference of the rounded change."""
+    proc = run(horovodrun(4, "localhost:2,127.0.0.1:2",
+                          python_cmd("engine_worker.py", "--backend", "horovod", "--payload-dtype", "bf16",
+                                     "--out", str(tmp_path))))
+    check(proc, tmp_path, CHANNEL, mask_itemsize=4, payload_bytes=4)
+
+
 @needs_mpirun
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for NCCL")

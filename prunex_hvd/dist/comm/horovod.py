@@ -61,6 +61,8 @@ class HorovodCommunicator(Communicator):
         self._maybe_stage(HorovodCommunicator._broadcast_impl, tensor, root)
 
     def _broadcast_impl(self, tensor, root):
+        if tensor.dtype == torch.bfloat16:   # Horovod has no bfloat16 tensors: the same bits as int16
+            tensor = tensor.view(torch.int16)
         self.hvd.broadcast_(tensor, root_rank=self.ranks[root], name=self._name("broadcast", tensor),
                             process_set=self.process_set)
 
