@@ -85,7 +85,7 @@ class ConsensusConfig:
       float32 model. ``"fp32"``: float32 whatever the model. Masks, residuals and the intra-node tier are
       unchanged. Measured with the CLI's recipe (2×2 ranks): bf16 halves the inter-node bytes (ResNet-18 on
       digits at 8×8: 724 against 1,446 MiB a run) and ends level or better, within noise: 98.24% against
-      98.06% (3 seeds), digits 98.61% against 98.44% (5 seeds), synthetic 100% both; on the emulated
+      98.06% (3 seeds; 98.39% over 5), digits 98.61% against 98.44% (5 seeds), synthetic 100% both; on the emulated
       cluster (ResNet-18, 100 Mbit/s) it took the time to 80% from 60 s to 33–38 s. On in ``prunex-hvd
       train``'s recipe; None by default here, the library's exchange as it was. Prefer bf16: fp16 overflows on a change above 65504 (the round is then
       refused, named). Horovod has no bf16 reduction and sends it as float32.
