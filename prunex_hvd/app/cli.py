@@ -161,24 +161,22 @@ def _flat_names():
     return {f.name for f in dataclasses.fields(TrainConfig)} | set(ConsensusConfig.knob_names())
 
 
-def _freeze_round(text: str):
-    if text.lower() in ("none", ""):
-        return None
-    if text.lower() == "auto":
-        return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"an integer, 'auto' or 'none', not {text!r}") from None
+def _int_or(**words):
+    """An argparse type: an integer, or one of ``words`` (case-insensitive), which map to their values."""
+    choices = ["an integer"] + [repr(w) for w in words if w]
+
+    def parse(text: str):
+        if text.lower() in words:
+            return words[text.lower()]
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{', '.join(choices[:-1])} or {choices[-1]}, not {text!r}") from None
+    return parse
 
 
-def _ramp_rounds(text: str):
-    if text.lower() == "auto":
-        return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"an integer or 'auto', not {text!r}") from None
+_freeze_round = _int_or(auto="auto", none=None, **{"": None})
+_ramp_rounds = _int_or(auto="auto")
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:

@@ -113,16 +113,13 @@ class TrainConfig:
             del knobs["local_steps"]   # not asked for: local_epochs decides
         elif "local_steps" in knobs:
             flat["local_epochs"] = None
-        if knobs.get("freeze_round") == "auto":
-            del knobs["freeze_round"]
-            flat["freeze_fraction"] = AUTO_FREEZE
-        elif "freeze_round" in knobs:   # a round asked for counts, unless a fraction is named too (as_dict's)
-            flat.setdefault("freeze_fraction", None)
-        if knobs.get("keep_ramp_rounds") == "auto":
-            del knobs["keep_ramp_rounds"]
-            flat["ramp_fraction"] = AUTO_RAMP
-        elif "keep_ramp_rounds" in knobs:
-            flat.setdefault("ramp_fraction", None)
+        for knob, fraction, auto in (("freeze_round", "freeze_fraction", AUTO_FREEZE),
+                                     ("keep_ramp_rounds", "ramp_fraction", AUTO_RAMP)):
+            if knobs.get(knob) == "auto":
+                del knobs[knob]
+                flat[fraction] = auto
+            elif knob in knobs:   # a round count asked for counts, unless a fraction is named too (as_dict's)
+                flat.setdefault(fraction, None)
         return cls(consensus=ConsensusConfig.from_knobs(knobs, base=RECIPE, who="TrainConfig"), **flat)
 
     def as_dict(self) -> Dict[str, Any]:

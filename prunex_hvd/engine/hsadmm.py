@@ -195,14 +195,11 @@ class HSADMM:
                 self._grads.views[k].zero_()
             else:
                 self._grads.views[k].copy_(e.param.grad.reshape(-1))
-        before = self.ledger.summary()["total"]
+        before = self.ledger.summary()
         with self.ledger.tagged("node-sync"):
             for buf in self._grads.buffers:
                 self.groups.intra.allreduce_(buf, "avg")
-        after = self.ledger.summary()["total"]
-        cross = after["cross_node_bytes"] - before["cross_node_bytes"]   # 0: the node's own group
-        self.bytes["inter"] += cross
-        self.bytes["intra"] += after["wire_bytes"] - before["wire_bytes"] - cross
+        self._count_traffic(before)   # all of it intra: the node's own group
         for k, e in enumerate(self.entries):
             mean = self._grads.views[k].view_as(e.param)
             if e.param.grad is not None:
@@ -614,14 +611,22 @@ class HSADMM:
             self.groups.leaders_then_node_(local, "sum", self.topo.num_nodes)
         return local.cpu()
 
+    def _count_traffic(self, before: dict) -> tuple:
+        """The bytes put on the wire since ``before`` (a ledger summary), added to ``self.bytes``: what crossed
+        node boundaries (``inter``) and the rest (``intra``). Returns (inter, intra)."""
+        after, before = self.ledger.summary()["total"], before["total"]
+        cross = after["cross_node_bytes"] - before["cross_node_bytes"]
+        intra = after["wire_bytes"] - before["wire_bytes"] - cross
+        self.bytes["inter"] += cross
+        self.bytes["intra"] += intra
+        return cross, intra
+
     def _report(self, before, seconds, compact_numel: int) -> dict:
         """Bytes of the round as the ring model puts them on the wire: ``inter`` = what crossed node
         boundaries, ``intra`` = the rest. The consensus exchange and its dense counterfactual are counted
         on the group that carries it (the leaders; the one group of a flat consensus), so their ratio is
         exact."""
-        after = self.ledger.summary(by_op=False)["total"]
-        cross = after["cross_node_bytes"] - before["total"]["cross_node_bytes"]
-        wire = after["wire_bytes"] - before["total"]["wire_bytes"]
+        cross, intra = self._count_traffic(before)
         if self.topo.num_nodes > 1:
             carrier = self.groups.inter       # None on non-leaders: they send nothing across
         else:                                 # flat: every rank's dense θ+u sum is the exchange
@@ -634,11 +639,9 @@ class HSADMM:
             return ring_cross_node_bytes("allreduce", sizes, carrier.rank, carrier.nodes)
         consensus = on_carrier(compact_numel, self.payload_dtype if self.topo.num_nodes > 1 else self.dtype)
         dense = on_carrier(self._dense.total_numel, self.dtype)   # the dense exchange in the model's dtype
-        self.bytes["inter"] += cross
-        self.bytes["intra"] += wire - cross
         self.bytes["inter_consensus"] += consensus
         self.bytes["dense_inter"] += dense
-        return {"round": self.round, "seconds": seconds, "inter_bytes": cross, "intra_bytes": wire - cross,
+        return {"round": self.round, "seconds": seconds, "inter_bytes": cross, "intra_bytes": intra,
                 "consensus_bytes": consensus, "dense_inter_bytes": dense,
                 "density": self.density(), "mask_drift": self.mask_drift, "frozen": self.frozen}
 
