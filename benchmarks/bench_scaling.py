@@ -28,7 +28,11 @@ computes global_batch/N samples, so compute shrinks with N and communication doe
   - prunex-flat: every local_steps steps, a flat ring allreduce of dense theta+u (params + float buffers);
   - prunex: every local_steps steps, intra-node allreduce of dense theta+u (NVLink), the leaders' ring allreduce
     of the compact message (inter-node), a compact intra-node broadcast, and the residual scalars (3 small
-    collectives); masks frozen (steady state): no mask OR.
+    collectives); masks frozen (steady state): no mask OR. The compact message in ``--payload-bytes`` per
+    value (4: float32; 2: the CLI's bf16 recipe);
+  - prunex-overlap (``overlap=True``): the same round, but the leaders' compact allreduce runs while the next
+    round's local_steps steps compute: only max(0, its time - the round's compute) is exposed; the intra-node
+    parts and the residual scalars stay blocking.
   The per-round cost of prunex/prunex-flat is spread over the local_steps steps of the round.
 * t_extra, the per-step element-wise work a method adds that does not shrink with N, as memory passes over
   fp32 tensors at a memory bandwidth (on CPU: PruneX's extras timed after each measured step; --mem-gbs
@@ -54,7 +58,8 @@ import benchjson  # benchmarks/ is the script's own folder, first on sys.path
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-METHODS = ("dense", "topk", "pactrain", "localsgd", "localsgd-hier", "diloco", "prunex-flat", "prunex")
+METHODS = ("dense", "topk", "pactrain", "localsgd", "localsgd-hier", "diloco", "prunex-flat", "prunex",
+           "prunex-overlap")
 SIZE_KEYS = ("params", "conv_params", "float_buffers", "dense_numel", "compact_ratio", "compact_ratio_source",
              "compact_ratio_from_shapes", "compact_ratio_pre_freeze_or", "pactrain_kept", "fwd_gflops_per_image")
 PAPER_SPEEDUP_64 = {"prunex": 6.75, "dense": 5.81, "topk": 3.71}   # Sec. 5.4 / Fig. 9, ResNet-152 (measured there)
@@ -155,8 +160,9 @@ def broadcast(n, nbytes, alpha, bw):
     return 0.0 if n <= 1 else (n - 1) * alpha + nbytes / bw
 
 
-def comm_per_step(method, N, G, f, a) -> float:
-    """Seconds of communication per global step for ``method`` on N GPUs, G per node."""
+def comm_per_step(method, N, G, f, a, step_s: float = 0.0) -> float:
+    """Seconds of communication per global step for ``method`` on N GPUs, G per node; ``step_s``: one local
+    step's compute (what prunex-overlap hides its inter-node exchange behind)."""
     M = N // G
     inter = (a.alpha_inter, a.inter_gbps * 1e9 / 8)     # bytes/s
     intra = (a.alpha_intra, a.intra_gbs * 1e9)
@@ -179,10 +185,13 @@ def comm_per_step(method, N, G, f, a) -> float:
     if method == "prunex-flat":
         per_round = allreduce(N, 4 * f["dense_numel"], *flat) + allreduce(N, residual, *flat)
         return per_round / a.local_steps
-    if method == "prunex":
-        compact = 4 * f["compact_numel"]
+    if method in ("prunex", "prunex-overlap"):
+        compact = a.payload_bytes * f["compact_numel"]
+        exchange = allreduce(M, compact, *inter)                          # leaders, compact
+        if method == "prunex-overlap":                                    # behind the next round's steps
+            exchange = max(0.0, exchange - a.local_steps * step_s)
         per_round = (allreduce(G, 4 * f["dense_numel"], *intra)          # intra sum of theta + u
-                     + allreduce(M, compact, *inter)                      # leaders, compact
+                     + exchange
                      + broadcast(G, compact, *intra)                      # compact z to the node
                      + allreduce(G, residual, *intra) + allreduce(M, residual, *inter)
                      + broadcast(G, residual, *intra))
@@ -192,7 +201,7 @@ def comm_per_step(method, N, G, f, a) -> float:
 
 def extra_per_step(method, f, mem_bw: float) -> float:
     engine = 6 * f["params"] + 6 * f["conv_params"]     # prunex-flat is the same engine with one flat group
-    passes = {"prunex": engine, "prunex-flat": engine,
+    passes = {"prunex": engine, "prunex-flat": engine, "prunex-overlap": engine,
               "pactrain": 3 * f["conv_params"] + 4 * f["pactrain_kept"]}.get(method, 0)
     return 4 * passes / mem_bw
 
@@ -219,8 +228,9 @@ def scenario(step_at_ref: dict, ref_batch: int, facts: dict, a, mem_bw) -> dict:
         for m in METHODS:
             T = {}
             for N in a.gpus:
-                c = comm_per_step(m, N, a.gpus_per_node, f, a)
-                T[N] = t_ref * (a.global_batch / N) / ref_batch + extra_per_step(m, f, bw[model]) + c
+                step_s = t_ref * (a.global_batch / N) / ref_batch + extra_per_step(m, f, bw[model])
+                c = comm_per_step(m, N, a.gpus_per_node, f, a, step_s)
+                T[N] = step_s + c
                 res["comm_s_per_step"][m][N] = round(c, 6)
                 res["time_per_step_s"][m][N] = round(T[N], 6)
             base = T[a.gpus[0]]
@@ -272,6 +282,8 @@ def main():
     ap.add_argument("--local-steps", type=int, default=49,
                     help="steps per round: 49 ~ one CIFAR-10 epoch at global batch 1024 (the paper uses 5-10 epochs)")
     ap.add_argument("--sparsity", default="channel:0.5")
+    ap.add_argument("--payload-bytes", type=int, default=4, choices=(2, 4),
+                    help="bytes per value of prunex's compact inter-node message (2: the CLI's bf16 recipe)")
     ap.add_argument("--topk-ratio", type=float, default=0.01)
     ap.add_argument("--volume", default=None, help="bench_volume JSON: take the compact ratio measured there")
     ap.add_argument("--step-seconds", default=None, help="MODEL=S,... local step seconds at --step-batch")
@@ -319,7 +331,9 @@ def main():
         f"prunex / prunex-flat: a round every {a.local_steps} steps (49 ~ one CIFAR-10 epoch at global batch "
         f"{a.global_batch}; the paper runs 5-10 local epochs per round, which would make rounds rarer still); "
         "the round's own compute (candidate, projection, recovery, duals) not modelled; prunex's masks frozen "
-        "(no mask OR)",
+        "(no mask OR); the compact message at --payload-bytes "
+        f"{a.payload_bytes} per value; prunex-overlap exposes only what of the leaders' compact allreduce outlasts "
+        "the next round's local steps (overlap=True), the rest of its round as prunex",
         "per-step element-wise extras (not shrinking with N): prunex and prunex-flat 6 passes over all fp32 "
         "parameters (proximal gradient: two fused adds) + 6 over the conv weights (masked retraining: gradient "
         "and weight masked); pactrain 3 over the conv weights + 4 over the kept gradients; at the scenario's "
@@ -385,7 +399,7 @@ def main():
         for m, r in res.items():
             r["round_every_step"] = {meth: {"speedup": once[m]["speedup"][meth],
                                             "comm_s_per_step": once[m]["comm_s_per_step"][meth]}
-                                     for meth in ("prunex-flat", "prunex")}
+                                     for meth in ("prunex-flat", "prunex", "prunex-overlap")}
     assumptions.append("round_every_step: prunex and prunex-flat recomputed with local_steps=1 (a round every "
                        "step), to show what the hierarchy and the compact message save per round")
 

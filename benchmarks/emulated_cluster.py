@@ -362,6 +362,9 @@ def read_metrics(out_dir: str, target: float) -> Dict[str, object]:
             s = json.load(f)
         res.update(final_test_acc=s["final_test_acc"], library_inter_bytes=s["inter_bytes"],
                    num_nodes=s["num_nodes"], ranks_per_node=s["ranks_per_node"], density=s.get("density"))
+        if s.get("exchange_wait_s") is not None:   # PruneX: rank 0 (a leader) waiting on the consensus exchange
+            res.update(exchange_wait_s=round(s["exchange_wait_s"], 3),
+                       exchange_wait_per_round_s=round(s["exchange_wait_s"] / max(1, s["rounds"]), 4))
     except (OSError, ValueError, KeyError):
         pass
     try:
@@ -464,6 +467,23 @@ def rival_speedups(rows: Dict[str, dict]) -> Dict[str, object]:
         if parse_method(m)[0] == "prunex" and r.get("time_to_target_s"):
             out[f"{m}_speedup_vs_best_rival"] = round(reached[best] / r["time_to_target_s"], 2)
     return out
+
+def overlap_pairs(rows: Dict[str, dict]) -> Dict[str, object]:
+    """Each overlapped job (``X-overlap`` or ``X+overlap``) against its blocking twin ``X``: exposed exchange
+    time per round (rank 0, a leader, waiting on the inter-node exchange) and time to target, as ratios."""
+    out = {}
+    for m, r in rows.items():
+        for suffix in ("-overlap", "+overlap"):
+            twin = rows.get(m[: -len(suffix)]) if m.endswith(suffix) else None
+            if twin and r.get("exchange_wait_s") is not None and twin.get("exchange_wait_s"):
+                out[m] = {"blocking": m[: -len(suffix)],
+                          "exposed_wait_ratio": round(r["exchange_wait_s"] / twin["exchange_wait_s"], 4),
+                          "time_to_target_ratio": round(r["time_to_target_s"] / twin["time_to_target_s"], 3)
+                          if r.get("time_to_target_s") and twin.get("time_to_target_s") else None,
+                          "train_wall_ratio": round(r["train_wall_s"] / twin["train_wall_s"], 3)
+                          if r.get("train_wall_s") and twin.get("train_wall_s") else None}
+    return out
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -627,6 +647,8 @@ def main(argv=None) -> int:
                 summary["prunex"]["speedup_vs_dense_at_least"] = sp
             summary["prunex_at_least_3x_faster_than_dense"] = None if sp is None else sp >= 3
         summary.update(rival_speedups(rows))
+        if overlap_pairs(rows):
+            summary["overlap_vs_blocking"] = overlap_pairs(rows)
         doc["summary"][bw] = summary
     text = json.dumps(doc, indent=2)
     with open(os.path.join(args.out, "emulated_cluster.json"), "w") as f:

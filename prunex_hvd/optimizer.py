@@ -71,6 +71,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._last_report = self._engine.consensus_round(steps=self._step_count_local)
         return self._last_report
 
+    def complete(self) -> None:
+        """``overlap``: fold in the round whose inter-node exchange is in flight now (collective), so that
+        ``consensus_weights()`` and ``stats()`` include it. Not needed in a training loop: the next round folds it
+        in, and ``finalize()`` does."""
+        self._engine.complete()
+
     def finalize(self) -> None:
         """End training: write the consensus model (the global z, exactly at the requested structure, and the
         BatchNorm statistics averaged in the last round) into the model, the same on every rank (see
@@ -93,7 +99,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "inter_bytes": eng.bytes["inter"], "intra_bytes": eng.bytes["intra"],
             "inter_consensus_bytes": eng.bytes["inter_consensus"], "dense_inter_bytes": eng.bytes["dense_inter"],
             "density": eng.density(), "layer_density": eng.layer_density(), "mask_drift": eng.mask_drift,
-            "frozen": eng.frozen, "residuals": {e.name: dict(e.residuals) for e in eng.entries},
+            "frozen": eng.frozen, "exchange_wait_s": eng.exchange_wait_s, "residuals": {e.name: dict(e.residuals) for e in eng.entries},
             "rho": {e.name: {"rho1": e.rho1, "rho2": e.rho2} for e in eng.entries},
         }
 

@@ -124,18 +124,24 @@ def compare(name, got, want, rtol=1e-4, atol=1e-6, ulp=None):
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
-def check_round(rnd, before, after, node_ranks, eng):
-    """Every rank's state after round ``rnd`` (``after[r]``, θ included) against the reference round over all
-    ranks' states before it; ``eng`` (any rank's engine) gives the settings. Returns what the round sent, for
-    :func:`check_results`: whether the masks were frozen before it, and the compact (rows, cols) per layer."""
+def expected_round(rnd, before, after, node_ranks, eng):
+    """The reference round over all ranks' states before round ``rnd``, under ``eng``'s settings."""
     c = eng.config
     specs = {e.name: e.spec for e in eng.structured}
-    want = reference_round(before, node_ranks, specs, weight_decay_z=c.weight_decay_z, rho_max=c.rho_max,
+    return reference_round(before, node_ranks, specs, weight_decay_z=c.weight_decay_z, rho_max=c.rho_max,
                            adaptive=c.adaptive_rho, freezes=after[0]["frozen"] and not before[0]["frozen"],
                            couplings=eng.couplings, streams=eng.streams, restart=c.restart,
                            relaxation=c.relaxation, rho_growth=c.rho_growth,
                            round_specs={n: ramped_spec(s, rnd + 1, c.keep_ramp_rounds) for n, s in specs.items()},
                            payload=eng.payload_dtype if eng.delta_coded else None)
+
+
+def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True):
+    """Every rank's state after round ``rnd`` (``after[r]``, θ included unless ``theta=False``) against the
+    reference round over all ranks' states before it (``want``, :func:`expected_round` by default); ``eng`` (any
+    rank's engine) gives the settings. Returns what the round sent, for :func:`check_results`: whether the masks
+    were frozen before it, and the compact (rows, cols) per layer."""
+    want = want or expected_round(rnd, before, after, node_ranks, eng)
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
     for r, got in enumerate(after):
         node = node_of[r]
@@ -145,15 +151,16 @@ def check_round(rnd, before, after, node_ranks, eng):
             compare(f"round {rnd} rank {r} z_i[{name}]", got["z_i"][name], want["z_i"][node][name])
             compare(f"round {rnd} rank {r} v[{name}]", got["v"][name], want["v"][node][name], ulp=ulp)
             compare(f"round {rnd} rank {r} z[{name}]", got["z"][name], want["z"][name], ulp=ulp)
-            compare(f"round {rnd} rank {r} theta[{name}]", got["theta"][name], want["theta"][r][name], ulp=ulp)
+            if theta:
+                compare(f"round {rnd} rank {r} theta[{name}]", got["theta"][name], want["theta"][r][name], ulp=ulp)
             assert got["rho1"][name] == want["rho1"][name], (rnd, r, name, got["rho1"][name], want["rho1"][name])
             assert got["rho2"][name] == want["rho2"][name], (rnd, r, name, got["rho2"][name], want["rho2"][name])
         for name, (rows, cols) in got["masks"].items():
             assert torch.equal(rows, want["masks"][name][0]) and torch.equal(cols, want["masks"][name][1]), \
                 (rnd, r, name)
-        for name in got["buffers"]:
-            compare(f"round {rnd} rank {r} buffer {name}", got["buffers"][name], want["buffers"][name],
-                    ulp=want["ulp"].get("buffer " + name))
+        for name in got["buffers"]:   # (overlap: the round's average, the rank's own buffers have moved on)
+            compare(f"round {rnd} rank {r} buffer {name}", got["buffers" if theta else "round_buffers"][name],
+                    want["buffers"][name], ulp=want["ulp"].get("buffer " + name))
         if eng.delta_coded:   # the leaders' rounding errors, sent again next round; nobody else keeps one
             leader = r == node_ranks[node][0]
             for key in ("ef", "buffer_ef"):
@@ -163,6 +170,81 @@ def check_round(rnd, before, after, node_ranks, eng):
                             ulp=want["ulp"][name if key == "ef" else "buffer " + name])
     return {"frozen_before": before[0]["frozen"],
             "compact": {n: [int(r.sum()), int(c.sum())] for n, (r, c) in want["sent_masks"].items()}}
+
+
+def theta_of(model):
+    """θ and the float buffers (BatchNorm statistics) of a model, by name."""
+    return {n: t.detach().cpu().clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())
+            if t.is_floating_point()}
+
+
+def prox_gradient(eng):
+    """The proximal gradient the engine would add now to a zero data gradient (no collective)."""
+    params = [e.param for e in eng.entries]
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    eng.add_proximal_grad()
+    out = {e.name: e.param.grad.detach().cpu().clone() for e in eng.entries}
+    for p, g in zip(params, saved):
+        p.grad = g
+    return out
+
+
+def overlapped_rounds(eng, model, step, x, y, consensus, rounds=ROUNDS, steps=LOCAL_STEPS):
+    """``overlap``: ``rounds`` rounds of one rank, recording what :func:`check_overlapped_round` reads: the state
+    when each round starts (after the previous one is folded in), once it is folded in (``complete()``, where
+    the next round would fold it), θ just before that fold, and θ with the proximal gradient while it is in
+    flight; ``consensus()`` runs a round and returns its report."""
+    rec = {"before": [], "after": [], "pre_fold": [], "launched": [], "reports": []}
+    for rnd in range(rounds):
+        local_steps(model, step, x, y, steps)
+        if rnd:
+            rec["pre_fold"].append(theta_of(model))
+            eng.complete()
+            rec["after"].append(snapshot(eng))
+        rec["before"].append(snapshot(eng))
+        rec["reports"].append(consensus())
+        rec["launched"].append({"theta": theta_of(model), "prox": prox_gradient(eng), "in_flight": eng._in_flight is not None})
+    rec["pre_fold"].append(theta_of(model))
+    eng.complete()
+    rec["after"].append(snapshot(eng))
+    return rec
+
+
+def check_overlapped_round(rnd, recs, node_ranks, eng):
+    """The delayed math (docs/algorithm.md, "Overlapped rounds") for round ``rnd``, from every rank's
+    :func:`overlapped_rounds` record: once folded in, u, z_i, v, z, ρ, masks and buffers are the blocking round's
+    (reference_round of the state it started from). While it is in flight the local steps pull toward its z_i,
+    with its u, at the ρ1 it started with; θ started them at z_i (``restart`` node or global), and the fold
+    moves θ by z − z_i (global). Returns check_round's summary."""
+    before = [rec["before"][rnd] for rec in recs]
+    after = [rec["after"][rnd] for rec in recs]
+    want = expected_round(rnd, before, after, node_ranks, eng)
+    out = check_round(rnd, before, after, node_ranks, eng, want=want, theta=False)
+    restart, alpha = eng.config.restart, eng.config.relaxation
+    node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
+    for r, rec in enumerate(recs):
+        flight, pre_fold, b = rec["launched"][rnd], rec["pre_fold"][rnd], before[r]
+        assert flight["in_flight"] == (len(node_ranks) > 1), (rnd, r)
+        z_i = want["z_i"][node_of[r]]
+        for name in b["theta"]:
+            ulp = want["ulp"].get(name)
+            started = z_i[name] if restart != "none" else b["theta"][name]
+            compare(f"round {rnd} rank {r} theta[{name}] at the start of the flight", flight["theta"][name], started)
+            u = b["u"][name].double() + alpha * b["theta"][name].double() + (1 - alpha) * b["z_i"][name].double() \
+                - z_i[name].double()
+            prox = b["rho1"][name] * (flight["theta"][name].double() - z_i[name].double() + u)
+            if b["frozen"] and name in b["masks"]:
+                prox = prox * torch.outer(*b["masks"][name]).reshape(prox.shape)
+            compare(f"round {rnd} rank {r} proximal gradient[{name}] in flight", flight["prox"][name], prox.float())
+            folded = pre_fold[name] + (want["z"][name] - z_i[name] if restart == "global" else 0)
+            compare(f"round {rnd} rank {r} theta[{name}] after the fold", after[r]["theta"][name], folded, ulp=ulp)
+        for name in b["buffers"]:   # a rank's float buffers keep the flight's updates, moved by average − sent
+            folded = pre_fold[name] + want["buffers"][name] - b["buffers"][name]
+            compare(f"round {rnd} rank {r} buffer {name} after the fold", after[r]["buffers"][name], folded,
+                    ulp=want["ulp"].get("buffer " + name))
+    return out
 
 
 def live_channels(w, dim):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine_cases import CHANNEL, MIXED, MIXED_SPARSITY, PAIR, RESIDUAL, RESIDUAL_PAIR, STREAM, check_results
-from launching import horovodrun, mpirun, needs_horovod, needs_mpirun, python_cmd, run, worker_results
+from launching import horovodrun, mpirun, needs_horovod, needs_mpirun, python_cmd, run, torchrun, worker_results
 
 pytestmark = pytest.mark.launch
 MIXED_ARG = json.dumps(MIXED_SPARSITY)
@@ -54,6 +54,25 @@ def test_engine_mpirun_half_payload(tmp_path, payload):
     proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "mpi", "--payload-dtype", payload,
                                     "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
     check(proc, tmp_path, CHANNEL, payload_bytes=2)
+
+
+@needs_mpirun
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_engine_mpirun_overlapped(tmp_path, backend):
+    """overlap=True under mpirun: the leaders' exchange runs on MPI's comm thread (mpi) or Gloo's own async op
+    while the ranks step, with node_sync's per-step allreduces on the node group meanwhile; every round, once
+    folded in, matches the reference, and the flight's steps the delayed math (the worker checks)."""
+    proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", backend, "--overlap", "--node-sync",
+                                    "--payload-dtype", "bf16", "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
+    check(proc, tmp_path, CHANNEL, payload_bytes=2)
+
+
+@needs_horovod
+def test_engine_horovodrun_overlapped(tmp_path):
+    """overlap=True under horovodrun: the leaders' exchange is Horovod's own async allreduce."""
+    proc = run(horovodrun(4, "localhost:2,127.0.0.1:2",
+                          python_cmd("engine_worker.py", "--backend", "horovod", "--overlap", "--out", str(tmp_path))))
+    check(proc, tmp_path, CHANNEL, mask_itemsize=4)
 
 
 @needs_horovod
@@ -105,3 +124,23 @@ def test_engine_cuda_tensors_on_2x2(tmp_path, sparsity, specs, coupled):
         check(proc, tmp_path, RESIDUAL, couplings=RESIDUAL_PAIR, streams=STREAM)
     else:
         check(proc, tmp_path, specs, couplings=PAIR if coupled else None)
+
+
+# NCCL refuses two ranks on one GPU of one host; a host id of its own per rank makes each rank a "host" of its
+# own, so one GPU carries an emulated 2 × 2 over NCCL's socket transport (the PRUNEX_RANKS_PER_NODE grouping)
+FAKE_HOSTS = ["bash", "-c", 'NCCL_HOSTID=prunex-rank$RANK exec "$@"', "fake-host"]
+NCCL_ON_ONE_GPU = {"PRUNEX_RANKS_PER_NODE": "2", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1",
+                   "NCCL_SHM_DISABLE": "1"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for NCCL")
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_engine_overlapped_cuda(tmp_path, backend):
+    """overlap=True on CUDA tensors, 2 emulated nodes × 2 under torchrun: NCCL's async allreduce on its own
+    stream (the fold orders the compute stream after it), or Gloo's on CUDA tensors; every round, once folded
+    in, matches the reference, and the flight's steps the delayed math."""
+    cmd = FAKE_HOSTS + python_cmd("engine_worker.py", "--backend", backend, "--device", "cuda", "--overlap",
+                                  "--node-sync", "--payload-dtype", "bf16", "--out", str(tmp_path))
+    proc = run(torchrun(4, cmd), env=NCCL_ON_ONE_GPU, timeout=600)
+    check(proc, tmp_path, CHANNEL, payload_bytes=2)

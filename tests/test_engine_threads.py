@@ -106,6 +106,71 @@ def test_rounds_match_the_reference(layout, case, levers):
             assert rec.cross_node_bytes == want, (rank.topo.rank, rec)
 
 
+def train_overlapped_on_threads(num_nodes, local_size, kind, sparsity, coupled, **knobs):
+    """``overlap=True`` on the thread cluster: every rank's :func:`engine_cases.overlapped_rounds` record."""
+    size = num_nodes * local_size
+    models = [cases.make_model(kind, r) for r in range(size)]
+    config = ConsensusConfig(sparsity=sparsity, coupled=coupled, overlap=True, **dict(cases.SETTINGS, **knobs))
+    structure = Structure.resolve(models[0], config)
+    native.module()
+    cluster = thread_cluster(num_nodes, local_size, keep_records=True)
+
+    def rank_run(rank):
+        model = models[rank.topo.rank]
+        eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
+        opt = cases.sgd(model)
+
+        def step():
+            eng.sync_node_grads()
+            eng.add_proximal_grad()
+            opt.step()
+            eng.after_step()
+        rank.ledger.reset()
+        x, y = cases.rank_batch(rank.topo.rank)
+        rounds = iter(range(1, cases.ROUNDS + 1))
+        rec = cases.overlapped_rounds(eng, model, step, x, y,
+                                      lambda: eng.consensus_round(steps=next(rounds) * cases.LOCAL_STEPS))
+        eng.finalize()
+        result = cases.rank_result(eng, model, rank.topo, rec["reports"], cases.engine_stats(eng),
+                                   rank.ledger.summary(by_op=True))
+        return dict(rec, engine=eng, final=cases.model_state(model), result=json.loads(json.dumps(result)))
+    return cluster, run_ranks(num_nodes, local_size, rank_run, cluster=cluster), structure.specs
+
+
+OVERLAP_RUNS = {"2x2-channel": ((2, 2), "channel", {}),
+                "2x3-mixed-bf16": ((2, 3), "mixed", dict(payload_dtype="bf16")),
+                "2x2-coupled-node-relaxed": ((2, 2), "coupled", dict(restart="node", relaxation=1.6)),
+                "3x1-channel-paper-round": ((3, 1), "channel", dict(restart="none")),
+                "2x2-recipe": ((2, 2), "channel", dict(node_sync=True, keep_ramp_rounds=2, payload_dtype="bf16"))}
+
+
+@pytest.mark.parametrize("run", list(OVERLAP_RUNS))
+def test_overlapped_rounds_match_the_delayed_reference(run):
+    """overlap=True: each round, once folded in, is the blocking round's math (reference_round); the local steps
+    in between pull toward its z_i with its u at the previous ρ1 and start from z_i; θ moves by z − z_i at the
+    fold (engine_cases.check_overlapped_round). Bytes as blocking: the exchange is the same, only later."""
+    (num_nodes, local_size), case, knobs = OVERLAP_RUNS[run]
+    kind, sparsity, coupled, want_specs, want_pairs, want_streams = CASES[case]
+    cluster, runs, _ = train_overlapped_on_threads(num_nodes, local_size, kind, sparsity, coupled, **knobs)
+    node_ranks, eng = cluster[0].topo.node_ranks, runs[0]["engine"]
+    ref_rounds = [cases.check_overlapped_round(rnd, runs, node_ranks, eng) for rnd in range(cases.ROUNDS)]
+    cases.assert_same_everywhere([run["final"] for run in runs], "after finalize")
+    results = [run["result"] for run in runs]
+    results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
+    cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
+                        payload_bytes=eng.payload_dtype.itemsize)
+    assert [r["in_flight"] for r in runs[0]["reports"]] == [True] * cases.ROUNDS
+
+
+def test_overlap_with_one_node_is_the_blocking_round():
+    """With one node there is no inter-node exchange to overlap: the round is the blocking one."""
+    cluster, runs, _ = train_on_threads(1, 2, "chain", "channel:0.5", False, overlap=True)
+    assert not runs[0]["engine"].overlap
+    for rnd in range(cases.ROUNDS):
+        cases.check_round(rnd, [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs],
+                          cluster[0].topo.node_ranks, runs[0]["engine"])
+
+
 def test_half_payload_errors_are_kept_in_state_dict():
     """The leaders' rounding errors (error feedback) are engine state: saved, restored, zero on the ranks that
     send nothing across and in a checkpoint written without them."""
@@ -232,3 +297,91 @@ def test_node_sync_gives_a_missing_gradient_the_nodes_mean():
     assert torch.equal(grads[0][0], torch.full((2, 3), 1.5)) and torch.equal(grads[1][0], grads[0][0])   # (0 + 3) / 2
     assert torch.equal(grads[0][2], torch.full((2, 2), 1.0)) and torch.equal(grads[1][2], grads[0][2])   # (2 + 0) / 2
     assert all(g[i] is None for g in grads for i in (1, 3, 4, 5))   # biases, and the layer nobody used
+
+
+def test_an_overlapped_round_refused_at_its_fold_leaves_the_previous_state():
+    """overlap: NaN in one rank's θ when round 1 starts is only seen when round 1 is folded in (at round 2): every
+    rank refuses it there, with the same error, and keeps the committed state of round 0 (masks included);
+    nothing stays in flight."""
+    models = [cases.make_model("chain", r) for r in range(4)]
+    config = ConsensusConfig(sparsity="channel:0.5", overlap=True, **cases.SETTINGS)
+    structure = Structure.resolve(models[0], config)
+    native.module()
+
+    def rank_run(rank):
+        model = models[rank.topo.rank]
+        eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
+        if rank.topo.rank == 3:
+            with torch.no_grad():
+                next(model.parameters())[0].fill_(float("nan"))
+        before = cases.snapshot(eng)
+        eng.consensus_round(steps=0)   # round 1 starts; its NaN travels
+        try:
+            eng.consensus_round(steps=0)
+        except FloatingPointError as exc:
+            after = cases.snapshot(eng)
+            return str(exc), before, after, eng._in_flight, eng.round
+        return None
+    out = run_ranks(2, 2, rank_run)
+    assert all(o is not None for o in out), "a rank did not refuse the round"
+    assert len({o[0] for o in out}) == 1 and "consensus round 1: inf or NaN in 0.weight" in out[0][0], out[0][0]
+    for msg, before, after, in_flight, rounds in out:
+        assert in_flight is None and rounds == 0
+        for key in ("u", "z_i", "v", "z"):
+            for name, t in before[key].items():
+                assert torch.equal(t, after[key][name]), (key, name)
+        for name, (rows, cols) in before["masks"].items():
+            assert torch.equal(rows, after["masks"][name][0]) and torch.equal(cols, after["masks"][name][1])
+
+
+@pytest.mark.parametrize("at_round", [1, 3])
+def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round):
+    """overlap: state_dict() with a round in flight completes its exchange (not its fold) and records it; an
+    engine loaded from it (a fresh cluster, fresh models given θ and the optimizer's state) ends bit for bit
+    where the run that took it ends, and where a run that took none ends (taking it changes nothing)."""
+    knobs = dict(payload_dtype="bf16", node_sync=True, keep_ramp_rounds=2)
+    config = ConsensusConfig(sparsity="channel:0.5", overlap=True, **dict(cases.SETTINGS, **knobs))
+    native.module()
+
+    def job(save_at=None, saved=None):
+        models = [cases.make_model("chain", r) for r in range(4)]
+        structure = Structure.resolve(models[0], config)
+
+        def rank_run(rank):
+            model = models[rank.topo.rank]
+            eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
+            opt = cases.sgd(model)
+            first = 0
+            if saved is not None:
+                state = saved[rank.topo.rank]
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["opt"])
+                eng.load_state_dict(state["engine"])
+                first = save_at
+            x, y = cases.rank_batch(rank.topo.rank)
+            snap = None
+
+            def step():
+                eng.sync_node_grads()
+                eng.add_proximal_grad()
+                opt.step()
+                eng.after_step()
+            for rnd in range(first, cases.ROUNDS):
+                cases.local_steps(model, step, x, y)
+                eng.consensus_round(steps=(rnd + 1) * cases.LOCAL_STEPS)
+                if rnd + 1 == save_at and saved is None:
+                    import copy
+                    snap = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+                            "engine": eng.state_dict()}
+                    assert snap["engine"]["in_flight"] is not None
+            eng.finalize()
+            return cases.model_state(model), {k: v for k, v in eng.bytes.items()}, snap
+        return run_ranks(2, 2, rank_run)
+    plain = job()
+    took = job(save_at=at_round)
+    resumed = job(save_at=at_round, saved=[t[2] for t in took])
+    for r in range(4):
+        for k in plain[r][0]:
+            assert torch.equal(plain[r][0][k], took[r][0][k]), f"taking state_dict changed rank {r}'s {k}"
+            assert torch.equal(took[r][0][k], resumed[r][0][k]), f"rank {r}'s {k} differs after the resume"
+        assert plain[r][1] == took[r][1], r

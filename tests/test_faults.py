@@ -148,6 +148,20 @@ def test_a_stalled_rank_is_named_by_every_other_rank(tmp_path, launcher, rank):
     print(f"{launcher}, rank {rank} stopped mid-round: the job ended {took:.1f} s after the stop")
 
 
+def test_a_rank_killed_with_an_exchange_in_flight_is_named(tmp_path):
+    """overlap: rank 2, node 1's leader, is killed while round 2's inter-node exchange is in flight (its local
+    steps run). Rank 0 waits for that exchange when round 3 folds it in: the watchdog names the dead rank and
+    the job ends within the bound, not at the timeout."""
+    cmd = fault_cmd(tmp_path, "kill-in-flight", 2, 2) + ["train", *SMALL, "--overlap", "--out", str(tmp_path / "run")]
+    proc = run(mpirun(4, cmd, NODES2), timeout=240)
+    took = since_fault(tmp_path)
+    assert proc.returncode != 0
+    assert re.search(r"rank 2 died \(its process is gone\)|process rank 2 with PID \d+ .*exited on signal 9",
+                     proc.stdout), proc.stdout[-4000:]
+    assert took < SLACK_S, took
+    print(f"mpirun, rank 2 killed with an exchange in flight: the job ended {took:.1f} s after the kill")
+
+
 @needs_horovod
 def test_a_killed_rank_under_horovodrun_is_named(tmp_path):
     """Rank 3 killed (SIGKILL) in the middle of round 2 under horovodrun --gloo (torch gloo groups): the

@@ -161,3 +161,48 @@ def test_a_rank_still_running_is_named():
             time.sleep(1.0)
     with pytest.raises(TimeoutError, match=r"ranks \[1\]"):
         run_ranks(1, 2, work, timeout=0.5)
+
+
+def test_an_async_allreduce_runs_while_the_node_groups_talk():
+    """allreduce_async_ on the leaders' group: the node groups run blocking collectives meanwhile (what the
+    overlapped round's local steps do with node_sync), the result is the blocking allreduce's, and it is
+    accounted once, when waited on, with the time wait() blocked."""
+    values = [torch.randn(300, generator=torch.Generator().manual_seed(r)) for r in range(4)]
+
+    def work(rank):
+        topo, groups, ledger = rank
+        t = values[topo.rank].clone()
+        work = groups.inter.allreduce_async_(t, "avg") if topo.is_leader else None
+        side = torch.full((5,), float(topo.rank))
+        for _ in range(3):
+            groups.intra.allreduce_(side, "sum")
+        if work is not None:
+            work.wait()
+            work.wait()   # once only
+        records = [r for r in ledger.records if r.tier == "inter"]
+        return t, side, records, work
+    results = run_ranks(2, 2, work, cluster=thread_cluster(2, 2, keep_records=True))
+    want = (values[0] + values[2]) / 2
+    for r, (t, side, records, work) in enumerate(results):
+        if r in (0, 2):
+            torch.testing.assert_close(t, want)
+            assert len(records) == 1 and records[0].payload_bytes == 300 * 4 and records[0].op == "allreduce"
+            assert work.completed and records[0].seconds == pytest.approx(work.wait_seconds, abs=0.05)
+        else:
+            assert torch.equal(t, values[r]) and not records
+    for r, (_, side, _, _) in enumerate(results):   # three sums over the node: 4^2·(the node's sum)
+        node_sum = float(sum(q for q in range(4) if q // 2 == r // 2))
+        assert torch.equal(side, torch.full((5,), node_sum * 4))
+
+
+def test_a_failing_leader_fails_the_others_async_wait():
+    """A leader that never starts its half of an async allreduce (it failed): the other's wait() raises once
+    the cluster is aborted, instead of hanging."""
+    def work(rank):
+        topo, groups, _ = rank
+        if topo.rank == 2:
+            raise ValueError("boom")
+        if topo.is_leader:
+            groups.inter.allreduce_async_(torch.ones(3), "sum").wait()
+    with pytest.raises(RankFailed, match="rank 2"):
+        run_ranks(2, 2, work, timeout=30)

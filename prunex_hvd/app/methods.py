@@ -55,11 +55,12 @@ _MEMBERS = tuple(Method.__annotations__) + tuple(n for n, v in vars(Method).item
 
 def _prunex(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, sample_batch, hierarchical: bool = True):
     from ..optimizer import DistributedOptimizer
-    # one flat group has no node to sync within and no inter-node exchange: the recipe's node_sync and
-    # payload_dtype do not apply to the ablation
+    # one flat group has no node to sync within and no inter-node exchange: the recipe's node_sync,
+    # payload_dtype and overlap do not apply to the ablation
     return DistributedOptimizer(optimizer, model, cfg.consensus, hierarchical=hierarchical,
                                 node_sync=hierarchical and cfg.consensus.node_sync,
-                                payload_dtype=cfg.consensus.payload_dtype if hierarchical else None)
+                                payload_dtype=cfg.consensus.payload_dtype if hierarchical else None,
+                                overlap=hierarchical and cfg.consensus.overlap)
 
 
 def _prunex_flat(optimizer, model, cfg, sample_batch):

@@ -329,7 +329,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
             with opt.consensus_weights():
                 rec.update(evaluate(model, test_loader, control))
         rec.update(_job_totals(control, stats))
-        for key in ("density", "layer_density", "residuals", "rho", "mask_drift", "frozen"):
+        for key in ("density", "layer_density", "residuals", "rho", "mask_drift", "frozen", "exchange_wait_s"):
             if key in stats:
                 rec[key] = stats[key]
         log.write(rec)
@@ -408,6 +408,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                "steps": step, "local_steps": local_steps, "final_test_acc": final["test_acc"],
                "final_test_loss": final["test_loss"], "density": stats.get("density", 1.0),
                "layer_density": stats.get("layer_density", {}), **totals, "wall_s": wall,
+               "exchange_wait_s": stats.get("exchange_wait_s"),
                "params_total": params_total, "params_nonzero": params_nonzero, "args": cfg.as_dict()}
     log.write({"event": "final", "method": cfg.method, "round": stats["rounds"], "step": step,
                "epoch": step / steps_per_epoch, "wall_s": wall, **final, **totals,

@@ -155,6 +155,8 @@ class ConsensusConfig:
     payload_dtype: Optional[str] = _knob(None, "what the inter-node exchange carries: the model's dtype (None), "
                                                "fp32, or bf16 / fp16 (the change since the last z, with error "
                                                "feedback)", agree="round")
+    overlap: bool = _knob(False, "leave each round's inter-node exchange in flight while the next round's local "
+                                 "steps run; folded in at the next round", agree="round")
 
     def __post_init__(self):
         def integer(name, minimum):
@@ -193,6 +195,11 @@ class ConsensusConfig:
         if self.payload_dtype is not None and not self.hierarchical:
             raise ValueError("payload_dtype applies to the hierarchical consensus's inter-node exchange; with "
                              "hierarchical=False every rank's dense θ + u is summed in the model's dtype")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
+        if self.overlap and not self.hierarchical:
+            raise ValueError("overlap=True overlaps the hierarchical consensus's inter-node exchange; with "
+                             "hierarchical=False there is no such tier (every rank sums its dense θ + u)")
         check_bucket_mb(self.bucket_mb)
         check_backend_name(self.backend)
 

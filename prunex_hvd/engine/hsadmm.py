@@ -19,6 +19,10 @@ The accelerations (docs/algorithm.md, "Accelerations"): ``relaxation`` α puts �
 α·z_i + (1 − α)·z) in place of θ (z_i) in the next tier's step and in the dual update; ``rho_growth`` multiplies
 every ρ each round; ``keep_ramp_rounds`` lowers the keep ratios from 1 to their targets over the first rounds.
 
+``overlap``: a round stops after phase 4 has started the leaders' exchange; the next round (or ``complete()``,
+``finalize()``, a mid-flight ``state_dict()`` for the wire alone) waits for it and runs phases 5–10, while the
+local steps in between pull toward the new z_i (docs/algorithm.md, "Overlapped rounds").
+
 Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`HSADMM.add_proximal_grad`); with
 ``node_sync`` the node's ranks first average their gradients (:meth:`HSADMM.sync_node_grads`), so each node
 steps as one data-parallel worker.
@@ -88,6 +92,22 @@ class Entry:
         return len(self.row_idx) * len(self.col_idx)
 
 
+@dataclass
+class _InFlight:
+    """A round whose inter-node exchange is in flight (``overlap``): what its fold needs."""
+    steps: Optional[int]
+    nonfinite: List[bool]
+    z_i: List[torch.Tensor]          # the node's new z_i
+    du: List[torch.Tensor]           # u's step, (relaxed) θ − z_i, θ as the round sent it
+    theta_sq: List[torch.Tensor]     # ‖θ − z_i‖² per entry, the same θ
+    masks_before: tuple              # put back if the round is refused
+    layout: BucketLayout             # the compact buckets: the average, once received
+    works: list                      # the leaders' async allreduces (none once received)
+    pending_ef: Optional[list]       # a narrow payload's new rounding errors (leaders)
+    buffers_sent: List[torch.Tensor]  # this rank's float buffers as the round sent them
+    received: bool = False
+
+
 def _ranks(ranks: List[int]) -> str:
     return ",".join(map(str, ranks))
 
@@ -151,6 +171,10 @@ class HSADMM:
         self._gathers: Dict[int, tuple] = {}   # entry -> (its bucket rows with a zero row, gather index)
         self._gathers_of: Optional[BucketLayout] = None   # the layout they index
         self._support: Optional[List[torch.Tensor]] = None   # dense masks of the retraining phase
+        # ``overlap``: the round whose inter-node exchange is in flight while the next local steps run
+        self.overlap = config.overlap and self.inter_tier
+        self._in_flight: Optional[_InFlight] = None
+        self.exchange_wait_s = 0.0   # time ranks waited on the consensus exchange, all rounds
         self._refresh_prox()
 
     # -- set-up -----------------------------------------------------------------------------------------
@@ -170,11 +194,15 @@ class HSADMM:
     # -- every local step -------------------------------------------------------------------------------
     def _refresh_prox(self) -> None:
         """Cache ρ1(u − z_i) and group entries by ρ1, so a step is two fused foreach adds per group. A half
-        precision model caches z_i − u instead (see :meth:`add_proximal_grad`)."""
+        precision model caches z_i − u instead (see :meth:`add_proximal_grad`). With a round in flight
+        (``overlap``) the steps already pull toward its z_i, with its u (u + (θ − z_i)), at the ρ1 they had."""
+        f = self._in_flight
+        us = [e.u + du for e, du in zip(self.entries, f.du)] if f is not None else [e.u for e in self.entries]
+        z_is = f.z_i if f is not None else [e.z_i for e in self.entries]
         if self.state_dtype == self.dtype:
-            self._shift = [(e.u - e.z_i).mul_(e.rho1) for e in self.entries]
+            self._shift = [(u - z_i).mul_(e.rho1) for e, u, z_i in zip(self.entries, us, z_is)]
         else:
-            self._shift = [e.z_i - e.u for e in self.entries]
+            self._shift = [z_i - u for u, z_i in zip(us, z_is)]
         groups: Dict[float, List[int]] = {}
         for k, e in enumerate(self.entries):
             groups.setdefault(e.rho1, []).append(k)
@@ -249,6 +277,8 @@ class HSADMM:
             raise RuntimeError("consensus round after finalize(): finalize() ends training (the model now holds "
                                "the consensus z); to evaluate the consensus mid-run use consensus_weights()")
         with watchdog.waiting(f"consensus round {self.round + 1}", world=True):
+            if self.overlap or self._in_flight is not None:
+                return self._overlapped_round(steps)
             return self._round(steps)
 
     def _round(self, steps: Optional[int]) -> dict:
@@ -258,10 +288,15 @@ class HSADMM:
         z_i_new = self._node_candidates()             # 2. node candidate z̃_i
         masks_before = self._mask_state()             #    (put back if the round is refused at 6)
         self._project(z_i_new)                        # 3. projection Π_S and the leaders' mask OR
-        layout = self._exchange(z_i_new)              # 4. compact exchange among leaders, broadcast to the node
+        layout = self._fill_compact(z_i_new)          # 4. compact exchange among leaders, broadcast to the node
+        t_wire = time.perf_counter()
+        with self.ledger.tagged("consensus"):
+            for buf in layout.buffers:
+                self.groups.leaders_then_node_(buf, "avg", self.topo.num_nodes)
+        wait = time.perf_counter() - t_wire
         z_new = self._recover(layout)                 # 5. recovery of z
         try:                                          # 6. verdict, from the job-wide residual sum
-            totals, s_inter_sq = self._verdict(z_i_new, z_new, nonfinite, steps)
+            totals, s_inter_sq = self._verdict(z_i_new, z_new, nonfinite, steps, self._theta_sq(z_i_new))
         except BaseException:
             self._restore_mask_state(masks_before)
             raise
@@ -270,7 +305,91 @@ class HSADMM:
         self.round += 1
         self._maybe_freeze()                          # 9. freezing
         self._restart()                               # 10. θ starts the next local steps at the consensus
-        return self._report(before, time.perf_counter() - t0, layout.total_numel)
+        return self._report(before, time.perf_counter() - t0, layout.total_numel, wait)
+
+    # -- the overlapped round (docs/algorithm.md, "Overlapped rounds") ------------------------------------
+    def _overlapped_round(self, steps: Optional[int]) -> dict:
+        """``overlap``: fold in the round in flight (its z arrives, phases 5–10), then run this round's phases
+        1–4 and leave its inter-node exchange in flight while the next local steps run. Only the local steps
+        see stale values: ρ1 (the previous round's), and where θ restarts (z_i now, z − z_i added at the fold)."""
+        t0, before = time.perf_counter(), self.ledger.summary(by_op=False)
+        wait = self._fold() if self._in_flight is not None else 0.0
+        if not self.overlap:   # a checkpoint's round in flight, resumed without overlap: folded, then as usual
+            self._count_traffic(before)
+            self.exchange_wait_s += wait
+            report = self._round(steps)
+            report["exchange_wait_seconds"] += wait
+            return report
+        nonfinite = self._intra_sum()                 # 1. intra-node sum of θ + u and the float buffers
+        z_i_new = self._node_candidates()             # 2. node candidate z̃_i
+        masks_before = self._mask_state()
+        self._project(z_i_new)                        # 3. projection Π_S and the leaders' mask OR (blocking, small)
+        du = [self._relaxed_theta(e).sub(z) for e, z in zip(self.entries, z_i_new)]   # u's step, θ as sent
+        layout = self._fill_compact(z_i_new)          # 4. the compact exchange starts; the node goes on stepping
+        with self.ledger.tagged("consensus"):
+            works = [self.groups.inter.allreduce_async_(buf, "avg") for buf in layout.buffers] \
+                if self.groups.inter is not None else []
+        self._in_flight = _InFlight(steps=steps, nonfinite=nonfinite, z_i=z_i_new, du=du,
+                                    theta_sq=self._theta_sq(z_i_new), masks_before=masks_before, layout=layout,
+                                    works=works, pending_ef=self._pending_ef,
+                                    buffers_sent=[b.clone() for _, b in self.buffers])
+        self._pending_ef = None
+        if self.config.restart != "none":             # 10. (early half) θ starts at the node's new z_i
+            with torch.no_grad():
+                for e, z_i in zip(self.entries, z_i_new):
+                    e.param.copy_(z_i)
+        self._refresh_prox()                          # the local steps pull toward this round's z_i already
+        return self._report(before, time.perf_counter() - t0, layout.total_numel, wait)
+
+    def _receive(self) -> float:
+        """The round in flight's exchange completes: the leaders wait for it, then hand it to their node.
+        Returns the seconds this rank waited (the exposed part of the exchange)."""
+        f = self._in_flight
+        if f.received:
+            return 0.0
+        t0 = time.perf_counter()
+        with self.ledger.tagged("consensus"):
+            for work in f.works:
+                work.wait()
+            for buf in f.layout.buffers:
+                self.groups.intra.broadcast_(buf, root=0)
+        f.received, f.works = True, []
+        return time.perf_counter() - t0
+
+    def _fold(self) -> float:
+        """Phases 5–10 of the round in flight, as the blocking round runs them (the duals from θ as the round
+        sent it); θ, restarted at z_i when the round started, moves by z − z_i (the restart's global half)."""
+        f = self._in_flight
+        wait = self._receive()
+        z_new = self._recover(f.layout)               # 5. recovery of z
+        try:                                          # 6. verdict
+            totals, s_inter_sq = self._verdict(f.z_i, z_new, f.nonfinite, f.steps, f.theta_sq)
+        except BaseException:
+            self._in_flight = None   # the committed state is the previous round's
+            self._restore_mask_state(f.masks_before)
+            self._refresh_prox()
+            raise
+        self._in_flight = None
+        self._pending_ef = f.pending_ef
+        self._update_duals(f.z_i, z_new, f.layout, du=f.du, buffers_sent=f.buffers_sent)   # 7. duals, buffers
+        self._adapt_rho(totals, s_inter_sq)           # 8. residuals and adaptive ρ (refreshes the prox cache)
+        self.round += 1
+        self._maybe_freeze()                          # 9. freezing
+        if self.config.restart == "global":           # 10. (late half) θ += z − z_i
+            with torch.no_grad():
+                for e, z_i in zip(self.entries, f.z_i):
+                    e.param.add_((e.z - z_i).to(e.param.dtype))
+        return wait
+
+    def complete(self) -> None:
+        """Fold in the round in flight now (``overlap``; collective: every rank calls it), so the engine's z,
+        duals and ρ are those of every round run so far. Nothing to do without overlap or between rounds.
+        :meth:`finalize` calls it; a training loop need not (the next round folds it in)."""
+        if self._in_flight is not None:
+            with watchdog.waiting(f"consensus round {self.round + 1} (completing)", world=True):
+                before = self.ledger.summary()
+                self.exchange_wait_s += self._fold()
+                self._count_traffic(before)
 
     # -- the round's phases ------------------------------------------------------------------------------
     def _intra_sum(self) -> List[bool]:
@@ -313,11 +432,12 @@ class HSADMM:
             for k in structured_ks:
                 z_i_new[k] = sparsity.apply_masks(z_i_new[k], self.entries[k].rows, self.entries[k].cols)
 
-    def _exchange(self, z_i_new: List[torch.Tensor]) -> BucketLayout:
-        """Phase 4: leaders shrink z_i + v_i onto the global support and average the compact buckets across
-        nodes, then hand them to their node. One node: z = z_i + v, every rank has it, nothing to exchange.
-        A narrow payload (``delta_coded``) carries z_i + v_i − z + e instead, rounded; e, the rounding error,
-        is sent again next round (error feedback), and z is recovered as z + the average."""
+    def _fill_compact(self, z_i_new: List[torch.Tensor]) -> BucketLayout:
+        """Phase 4's payload: leaders shrink z_i + v_i onto the global support into the compact buckets (which
+        the round then averages across nodes and hands to each node). One node: z = z_i + v, every rank has
+        it, nothing to exchange. A narrow payload (``delta_coded``) carries z_i + v_i − z + e instead, rounded;
+        e, the rounding error, is sent again next round (error feedback), and z is recovered as z + the
+        average."""
         n, P = len(self.entries), self.topo.local_size
         layout = self._compact_layout()
         self._pending_ef = []
@@ -335,9 +455,6 @@ class HSADMM:
                     mean = self._delta(mean.to(self.state_dtype), self._round_buffers[j].to(self.state_dtype),
                                        self._buffer_ef[j], None)
                 layout.views[n + j].copy_(mean.reshape(-1))
-        with self.ledger.tagged("consensus"):
-            for buf in layout.buffers:
-                self.groups.leaders_then_node_(buf, "avg", self.topo.num_nodes)
         return layout
 
     def _delta(self, target: torch.Tensor, z: torch.Tensor, ef: torch.Tensor, e: Optional[Entry]) -> torch.Tensor:
@@ -369,7 +486,11 @@ class HSADMM:
             z_new.append(z)
         return z_new
 
-    def _verdict(self, z_i_new, z_new, nonfinite: List[bool], steps: Optional[int]):
+    def _theta_sq(self, z_i_new) -> List[torch.Tensor]:
+        """‖θ − z_i‖² per entry (r_intra's terms), θ as this round sees it."""
+        return [admm.sq_norm(e.param.detach() - z) for e, z in zip(self.entries, z_i_new)]
+
+    def _verdict(self, z_i_new, z_new, nonfinite: List[bool], steps: Optional[int], theta_sq: List[torch.Tensor]):
         """Phase 6, the safety protocol: the residuals' job-wide sum also carries every rank's round, step count
         and inf/NaN flags (no extra collective), so every rank takes the same verdict before any state changes
         (:meth:`_check_round` raises). Returns the summed residual squares (n × 3) and s_inter² per entry."""
@@ -377,7 +498,7 @@ class HSADMM:
         local_sq = torch.zeros(n, 3, dtype=torch.float64, device=self.device)   # on the device: no sync per layer
         s_inter_sq = torch.zeros(n, dtype=torch.float64, device=self.device)
         for k, e in enumerate(self.entries):
-            local_sq[k, 0] = admm.sq_norm(e.param.detach() - z_i_new[k])
+            local_sq[k, 0] = theta_sq[k]
             if self.topo.is_leader:   # node-level terms: once per node, the dual one for the node's P copies
                 local_sq[k, 1] = admm.dual_residual_sq(admm.sq_norm(z_i_new[k] - e.z_i), e.rho1, P)
                 local_sq[k, 2] = admm.sq_norm(z_i_new[k] - z_new[k])
@@ -400,20 +521,29 @@ class HSADMM:
             raise
         return totals, s_inter_sq
 
-    def _update_duals(self, z_i_new, z_new, layout: BucketLayout) -> None:
-        """Phase 7: v_i += z_i − z, u += θ − z_i; the new z_i and z; the float buffers averaged in the round
-        (kept too: with z they are the consensus model)."""
+    def _update_duals(self, z_i_new, z_new, layout: BucketLayout, du: Optional[List[torch.Tensor]] = None,
+                      buffers_sent: Optional[List[torch.Tensor]] = None) -> None:
+        """Phase 7: v_i += z_i − z, u += θ − z_i (``du``: that step, formed when θ was sent); the new z_i and
+        z; the float buffers averaged in the round (kept too: with z they are the consensus model). Each rank's
+        buffers take the average; with ``buffers_sent`` (overlap: what this rank sent, its buffers having moved
+        since) they move by average − sent instead, keeping the updates of the steps in between."""
         for k, e in enumerate(self.entries):   # (over-relaxed: the relaxed points of the round's steps)
             admm.update_dual(e.v, self._relaxed_node(z_i_new[k], e), z_new[k])
-            admm.update_dual(e.u, self._relaxed_theta(e), z_i_new[k])
+            if du is None:
+                admm.update_dual(e.u, self._relaxed_theta(e), z_i_new[k])
+            else:
+                e.u.add_(du[k])
             e.z_i, e.z = z_i_new[k], z_new[k]
         n = len(self.entries)
         for j, (_, b) in enumerate(self.buffers):
             avg = layout.views[n + j].view_as(b)
             if self.delta_coded:   # the change of the averaged buffers
                 avg = (self._round_buffers[j].to(self.state_dtype) + avg.to(self.state_dtype)).to(b.dtype)
-            b.copy_(avg)
-            self._round_buffers[j].copy_(b)
+            self._round_buffers[j].copy_(avg)
+            if buffers_sent is None:
+                b.copy_(avg)
+            else:
+                b.add_(avg - buffers_sent[j])
         if self.delta_coded and self._pending_ef:   # leaders: the errors of this round's rounding
             for ef, new in zip([e.ef for e in self.entries] + self._buffer_ef, self._pending_ef):
                 ef.copy_(new)
@@ -621,7 +751,7 @@ class HSADMM:
         self.bytes["intra"] += intra
         return cross, intra
 
-    def _report(self, before, seconds, compact_numel: int) -> dict:
+    def _report(self, before, seconds, compact_numel: int, wait: float) -> dict:
         """Bytes of the round as the ring model puts them on the wire: ``inter`` = what crossed node
         boundaries, ``intra`` = the rest. The consensus exchange and its dense counterfactual are counted
         on the group that carries it (the leaders; the one group of a flat consensus), so their ratio is
@@ -641,7 +771,9 @@ class HSADMM:
         dense = on_carrier(self._dense.total_numel, self.dtype)   # the dense exchange in the model's dtype
         self.bytes["inter_consensus"] += consensus
         self.bytes["dense_inter"] += dense
-        return {"round": self.round, "seconds": seconds, "inter_bytes": cross, "intra_bytes": intra,
+        self.exchange_wait_s += wait
+        return {"round": self.round, "seconds": seconds, "exchange_wait_seconds": wait,
+                "in_flight": self._in_flight is not None, "inter_bytes": cross, "intra_bytes": intra,
                 "consensus_bytes": consensus, "dense_inter_bytes": dense,
                 "density": self.density(), "mask_drift": self.mask_drift, "frozen": self.frozen}
 
@@ -660,7 +792,9 @@ class HSADMM:
         (no communication; steps taken since the last round are not in it: run :meth:`consensus_round` first
         to include them). If nodes' masks still differed (their OR is larger than asked), z is projected onto
         the requested structure first, so the model is at the requested density. Training ends here: a later
-        round raises (as the wrapped optimizer's ``step()`` does)."""
+        round raises (as the wrapped optimizer's ``step()`` does). A round in flight (``overlap``) is folded
+        in first."""
+        self.complete()
         with torch.no_grad():
             for e, (rows, cols) in zip(self.structured, self._masks({e.name: e.z for e in self.structured})):
                 e.z.copy_(sparsity.apply_masks(e.z, rows, cols))
@@ -693,6 +827,28 @@ class HSADMM:
 
     # -- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """The engine's state, to resume bit for bit. A round in flight (``overlap``) is received first (the
+        exchange completes; collective, as a checkpoint is) and recorded as it stands, to be folded in at the
+        same point of the resumed run: taking a checkpoint does not change the run."""
+        f = self._in_flight
+        if f is not None:
+            before = self.ledger.summary()
+            self.exchange_wait_s += self._receive()
+            self._count_traffic(before)
+        sd = self._committed_state()
+        if f is not None:
+            names = [e.name for e in self.entries]
+            sd["in_flight"] = {
+                "steps": f.steps, "nonfinite": list(f.nonfinite),
+                "z_i": dict(zip(names, (t.clone() for t in f.z_i))), "du": dict(zip(names, (t.clone() for t in f.du))),
+                "theta_sq": torch.stack(f.theta_sq).cpu(), "payload": [b.clone() for b in f.layout.buffers],
+                "masks_before": [(m[0].clone(), m[1].clone()) for m in f.masks_before[0]],
+                "mask_drift_before": f.masks_before[1],
+                "pending_ef": None if f.pending_ef is None else [t.clone() for t in f.pending_ef],
+                "buffers_sent": [b.clone() for b in f.buffers_sent]}
+        return sd
+
+    def _committed_state(self) -> dict:
         return {
             "round": self.round, "frozen": self.frozen, "stable_rounds": self.stable_rounds,
             "mask_drift": self.mask_drift, "bytes": dict(self.bytes),
@@ -733,4 +889,29 @@ class HSADMM:
         for (name, _), ef in zip(self.buffers, self._buffer_ef):
             ef.copy_(saved_ef[name] if name in saved_ef else torch.zeros_like(ef))
         self._compact = self._support = None
+        self._in_flight = None
+        if sd.get("in_flight") is not None:
+            self._load_in_flight(sd["in_flight"])
         self._refresh_prox()
+
+    def _load_in_flight(self, s: dict) -> None:
+        """A checkpoint's round in flight, already received: folded in at the next round (or complete())."""
+        layout = self._compact_layout()   # the round's masks are the entries' own (saved with them)
+        if [b.numel() for b in layout.buffers] != [b.numel() for b in s["payload"]]:
+            raise ValueError("engine state: the round in flight does not fit the saved masks' compact layout")
+        for buf, saved in zip(layout.buffers, s["payload"]):
+            buf.copy_(saved)
+        before = []
+        for e, (rows, cols) in zip(self.structured, s["masks_before"]):
+            rows, cols = rows.to(self.device), cols.to(self.device)
+            row_idx, col_idx = sparsity.masks_to_indices(rows, cols)
+            before.append((rows, cols, row_idx, col_idx, sparsity.gather_plan(row_idx, col_idx, e.param.shape)))
+        names = [e.name for e in self.entries]
+        self._in_flight = _InFlight(
+            steps=s["steps"], nonfinite=list(s["nonfinite"]),
+            z_i=[s["z_i"][n].to(self.device).clone() for n in names],
+            du=[s["du"][n].to(self.device).clone() for n in names],
+            theta_sq=list(s["theta_sq"].to(self.device).unbind(0)),
+            masks_before=(before, float(s["mask_drift_before"]), None), layout=layout, works=[],
+            pending_ef=None if s["pending_ef"] is None else [t.to(self.device).clone() for t in s["pending_ef"]],
+            buffers_sent=[t.to(self.device).clone() for t in s["buffers_sent"]], received=True)

@@ -32,6 +32,8 @@ def main():
     ap.add_argument("--node-sync", action="store_true", help="the node's ranks average gradients every step")
     ap.add_argument("--payload-dtype", default=None, choices=("bf16", "fp16"),
                     help="the inter-node exchange's payload: the rounded change since z, with error feedback")
+    ap.add_argument("--overlap", action="store_true",
+                    help="overlapped rounds: checked against the delayed math (engine_cases.check_overlapped_round)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
@@ -44,13 +46,21 @@ def main():
     spec = json.loads(a.sparsity) if a.sparsity.startswith("{") else a.sparsity
     opt = px.DistributedOptimizer(cases.sgd(model), model, sparsity=spec, local_steps=10**6, backend=a.backend,
                                   coupled=a.coupled, node_sync=a.node_sync, payload_dtype=a.payload_dtype,
+                                  overlap=a.overlap,
                                   **dict(cases.SETTINGS, freeze_round=a.freeze_round))
     eng = opt._engine
     cases.assert_same_everywhere(control.allgather_object(cases.model_state(model)), "after construction")
     px.comm.reset()
     x, y = cases.rank_batch(topo.rank, a.device)   # different data on every rank
     reports, checks, ref_rounds = [], 0, []
-    for rnd in range(a.rounds):
+    if a.overlap:
+        rec = cases.overlapped_rounds(eng, model, opt.step, x, y, opt.consensus, a.rounds, a.local_steps)
+        reports = rec.pop("reports")
+        recs = control.allgather_object(rec)
+        if topo.rank == 0:
+            ref_rounds = [cases.check_overlapped_round(rnd, recs, topo.node_ranks, eng) for rnd in range(a.rounds)]
+            checks = len(recs) * a.rounds
+    for rnd in range(0 if a.overlap else a.rounds):
         cases.local_steps(model, opt.step, x, y, a.local_steps)
         before = control.allgather_object(cases.snapshot(eng))
         reports.append(opt.consensus())

@@ -5,6 +5,8 @@
 
 kill  rank R sends itself SIGKILL in consensus round K, after the round's first collective (mid-round)
 stop  rank R sends itself SIGSTOP there instead (a stalled rank: its process is alive, it never arrives)
+kill-in-flight  with --overlap: rank R sends itself SIGKILL in the first local step after round K started,
+      while round K's inter-node exchange is in flight
 nan   one input batch of rank R, in the local steps just before round K, is NaN: θ and the BatchNorm statistics
       of that rank turn NaN through a real forward/backward/step, and round K meets them
 uneven  no training CLI: rank R's data shard holds one more batch, every rank steps through its shard and calls
@@ -52,6 +54,16 @@ def inject(fault: str, at_round: int, out: str) -> None:
             return candidate(*args, **kwargs)
         hsadmm.HSADMM._round = tracked_round
         admm.node_candidate = candidate_then_fault
+    elif fault == "kill-in-flight":
+        after_step = hsadmm.HSADMM.after_step
+
+        def step_then_fault(self):
+            after_step(self)
+            if self._in_flight is not None and self.round + 1 == at_round:
+                mark()
+                sys.stdout.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+        hsadmm.HSADMM.after_step = step_then_fault
     elif fault == "nan":
         batches = data.ShardedLoader.batches
         state = {"step": 0}
@@ -97,7 +109,7 @@ def main():
     argv = sys.argv[1:]
     train_args = argv[argv.index("--") + 1:] if "--" in argv else []
     ap = argparse.ArgumentParser()
-    ap.add_argument("--fault", required=True, choices=("kill", "stop", "nan", "uneven"))
+    ap.add_argument("--fault", required=True, choices=("kill", "kill-in-flight", "stop", "nan", "uneven"))
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--round", type=int, default=2)
     ap.add_argument("--out", required=True)

@@ -41,6 +41,19 @@ class TorchDistCommunicator(Communicator):
         if op == "avg":
             tensor.div_(self.size)
 
+    def _allreduce_async(self, tensor, op):
+        """torch.distributed's own async op: Gloo works in its threads, NCCL on its stream (``wait()`` then
+        orders the caller's stream after it)."""
+        native_avg = op == "avg" and self.reduce_avg_natively
+        reduce_op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        work = dist.all_reduce(tensor, op=reduce_op, group=self.pg, async_op=True)
+
+        def finish():
+            work.wait()
+            if op == "avg" and not native_avg:
+                tensor.div_(self.size)
+        return finish
+
     def _bor(self, mask):
         dist.all_reduce(mask, op=dist.ReduceOp.BOR if self.has_bor else dist.ReduceOp.MAX, group=self.pg)
 

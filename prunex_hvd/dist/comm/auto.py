@@ -23,6 +23,9 @@ class AutoCommunicator(Communicator):
     def allreduce_(self, tensor, op="sum"):
         return self._pick(tensor).allreduce_(tensor, op)
 
+    def allreduce_async_(self, tensor, op="sum"):
+        return self._pick(tensor).allreduce_async_(tensor, op)
+
     def bor_(self, mask):
         return self._pick(mask).bor_(mask)
 

@@ -6,9 +6,12 @@ bytes. All members of a group must call the same collectives in the same order.
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -43,6 +46,8 @@ class Communicator:
         self.rank = rank
         self.size = len(self.ranks)
         self.ledger = ledger or default_ledger()
+        self._worker: Optional[_CommThread] = None   # the async collectives' thread, made on first use
+        self._worker_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.tier} ranks={list(self.ranks)} me={self.rank}>"
@@ -57,6 +62,23 @@ class Communicator:
             raise ValueError(f"allreduce op 'avg' needs a floating tensor, got {tensor.dtype}")
         self._reduce("allreduce", self._allreduce, tensor, op)
         return tensor
+
+    def allreduce_async_(self, tensor: torch.Tensor, op: str = "sum") -> "Work":
+        """Start an in-place allreduce and return at once: the tensor is the result after ``wait()`` on the
+        returned :class:`Work` (do not read or write it before). Every member starts the same async collectives
+        in the same order; blocking collectives on *other* groups may run meanwhile (the overlapped round's
+        leaders exchange across nodes while their node steps). Accounted when waited on: ``seconds`` is the
+        time ``wait()`` blocked, the exposed part of the transfer."""
+        if op not in REDUCE_OPS:
+            raise ValueError(f"allreduce op must be one of {REDUCE_OPS}, got {op!r}")
+        self._check(tensor, "allreduce_async_")
+        if not tensor.is_floating_point() and op == "avg":
+            raise ValueError(f"allreduce op 'avg' needs a floating tensor, got {tensor.dtype}")
+        wire = self.wire_dtype(tensor.dtype)
+        carried = tensor if wire == tensor.dtype else tensor.to(wire)
+        finish = self._allreduce_async(carried, op)
+        done = (lambda: tensor.copy_(carried)) if carried is not tensor else None
+        return Work(self, "allreduce", [tensor.numel() * wire.itemsize] * self.size, finish, done)
 
     def bor_(self, mask: torch.Tensor) -> torch.Tensor:
         """In-place bitwise OR of a uint8 mask across the group. Returns ``mask``.
@@ -118,6 +140,16 @@ class Communicator:
     def _allreduce(self, tensor, op):
         raise NotImplementedError
 
+    def _allreduce_async(self, tensor, op) -> Callable[[], None]:
+        """Start ``_allreduce`` and return what completes it. Here: on this group's own communication thread
+        (one per group, so its collectives keep their order), for transports whose blocking calls release the
+        GIL and allow other threads' collectives on other groups (MPI at THREAD_MULTIPLE, the thread
+        cluster); torch.distributed and Horovod override it with their own async operations."""
+        with self._worker_lock:
+            if self._worker is None:
+                self._worker = _CommThread(f"prunex-{self.tier}-comm")
+        return self._worker.submit(self._allreduce, tensor, op).result
+
     def _bor(self, mask):
         raise NotImplementedError
 
@@ -162,6 +194,51 @@ class Communicator:
         return _Accounted(self, op, sizes, root)
 
 
+class _CommThread:
+    """One daemon thread running a group's async collectives in order (daemon: a collective a dead peer never
+    joins must not keep the process from exiting; the watchdog stops the job)."""
+
+    def __init__(self, name: str):
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:   # handed to wait(), on the caller's thread
+                future.set_exception(exc)
+
+
+class Work:
+    """An allreduce in flight (:meth:`Communicator.allreduce_async_`). ``wait()`` blocks until it is done,
+    once; it is watched (a dead peer stops the job, named) and accounted there like a blocking collective."""
+
+    def __init__(self, comm: Communicator, op: str, sizes: List[int], finish: Callable[[], None],
+                 done: Optional[Callable[[], None]] = None):
+        self.comm, self.op, self.sizes = comm, op, sizes
+        self._finish, self._done = finish, done
+        self.completed = False
+        self.wait_seconds = 0.0
+
+    def wait(self) -> None:
+        if self.completed:
+            return
+        t0 = time.perf_counter()
+        with self.comm._accounted(self.op, self.sizes):
+            self._finish()
+            if self._done is not None:
+                self._done()
+        self.completed = True
+        self.wait_seconds = time.perf_counter() - t0
+
+
 class _Accounted:
     __slots__ = ("comm", "op", "sizes", "root", "t0")
 
@@ -198,6 +275,9 @@ class SingleCommunicator(Communicator):
 
     def _allreduce(self, tensor, op):
         pass
+
+    def _allreduce_async(self, tensor, op):
+        return lambda: None
 
     def _bor(self, mask):
         pass

@@ -31,6 +31,7 @@ class HorovodCommunicator(Communicator):
         self.hvd = _hvd()
         self.process_set = process_set
         self.gpu_ops = self.hvd.nccl_built() or self.hvd.cuda_built()
+        self._outstanding = 0   # async allreduces in flight
 
     def _name(self, op, tensor, shape=None):
         # Our collectives are synchronous, so a name only has to tell apart what differs: group, op, dtype
@@ -50,6 +51,24 @@ class HorovodCommunicator(Communicator):
     def _allreduce_impl(self, tensor, op):
         self.hvd.allreduce_(tensor, op={"avg": self.hvd.Average, "max": self.hvd.Max}.get(op, self.hvd.Sum),
                             name=self._name("allreduce", tensor), process_set=self.process_set)
+
+    def _allreduce_async(self, tensor, op):
+        """Horovod's own async allreduce, progressed by its background thread."""
+        if tensor.device.type != "cpu" and not self.gpu_ops:
+            return super()._allreduce_async(tensor, op)   # staged through host memory on the comm thread
+        # names must differ among the ops in flight (a round's buckets may share a shape); numbered by how many
+        # are in flight, they repeat round after round and keep Horovod's response cache warm
+        name = self._name(f"allreduce-async{self._outstanding}", tensor)
+        handle = self.hvd.allreduce_async_(tensor, op={"avg": self.hvd.Average, "max": self.hvd.Max}.get(
+            op, self.hvd.Sum), name=name, process_set=self.process_set)
+        self._outstanding += 1
+
+        def finish():
+            try:
+                self.hvd.synchronize(handle)
+            finally:
+                self._outstanding -= 1
+        return finish
 
     def _bor(self, mask):
         self._maybe_stage(HorovodCommunicator._bor_impl, mask)
