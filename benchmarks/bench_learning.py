@@ -99,6 +99,9 @@ VARIANTS: Dict[str, str] = {
     "prunex": "--method prunex --sparsity channel:0.5",
     "prunex-bf16": "--method prunex --sparsity channel:0.5 --payload-dtype bf16",
     "prunex-fp16": "--method prunex --sparsity channel:0.5 --payload-dtype fp16",
+    "prunex-overlap": "--method prunex --sparsity channel:0.5 --overlap",   # the recipe, rounds overlapped
+    **{f"prunex-overlap-s{k}": f"--method prunex --sparsity channel:0.5 --overlap --overlap-steps {k}"
+       for k in (1, 2, 4)},
     "prunex-dense": "--method prunex --sparsity dense",
 }
 

@@ -468,20 +468,22 @@ def rival_speedups(rows: Dict[str, dict]) -> Dict[str, object]:
             out[f"{m}_speedup_vs_best_rival"] = round(reached[best] / r["time_to_target_s"], 2)
     return out
 
-def overlap_pairs(rows: Dict[str, dict]) -> Dict[str, object]:
-    """Each overlapped job (``X-overlap`` or ``X+overlap``) against its blocking twin ``X``: exposed exchange
-    time per round (rank 0, a leader, waiting on the inter-node exchange) and time to target, as ratios."""
+def overlap_pairs(rows: Dict[str, dict], overlapped) -> Dict[str, object]:
+    """Each overlapped job (in ``overlapped``: its arguments hold ``--overlap``) against its blocking twin, the
+    same name without ``-overlap`` / ``+overlap``, else its method's plain job: exposed exchange time per round
+    (rank 0, a leader, waiting on the inter-node exchange), time to target and training wall, as ratios."""
     out = {}
     for m, r in rows.items():
-        for suffix in ("-overlap", "+overlap"):
-            twin = rows.get(m[: -len(suffix)]) if m.endswith(suffix) else None
-            if twin and r.get("exchange_wait_s") is not None and twin.get("exchange_wait_s"):
-                out[m] = {"blocking": m[: -len(suffix)],
-                          "exposed_wait_ratio": round(r["exchange_wait_s"] / twin["exchange_wait_s"], 4),
-                          "time_to_target_ratio": round(r["time_to_target_s"] / twin["time_to_target_s"], 3)
-                          if r.get("time_to_target_s") and twin.get("time_to_target_s") else None,
-                          "train_wall_ratio": round(r["train_wall_s"] / twin["train_wall_s"], 3)
-                          if r.get("train_wall_s") and twin.get("train_wall_s") else None}
+        if m not in overlapped:
+            continue
+        name = next((m[: -len(x)] for x in ("-overlap", "+overlap") if m.endswith(x)), parse_method(m)[0])
+        twin = rows.get(name)
+        if not (twin and name not in overlapped and r.get("exchange_wait_s") is not None
+                and twin.get("exchange_wait_s")):
+            continue
+        ratio = lambda key: round(r[key] / twin[key], 4) if r.get(key) and twin.get(key) else None  # noqa: E731
+        out[m] = {"blocking": name, "exposed_wait_ratio": ratio("exchange_wait_s"),
+                  "time_to_target_ratio": ratio("time_to_target_s"), "train_wall_ratio": ratio("train_wall_s")}
     return out
 
 
@@ -647,8 +649,10 @@ def main(argv=None) -> int:
                 summary["prunex"]["speedup_vs_dense_at_least"] = sp
             summary["prunex_at_least_3x_faster_than_dense"] = None if sp is None else sp >= 3
         summary.update(rival_speedups(rows))
-        if overlap_pairs(rows):
-            summary["overlap_vs_blocking"] = overlap_pairs(rows)
+        overlapped = {m for m in rows if "--overlap" in (args.train_args + " " + args.method_args.get(
+            m, args.method_args.get(parse_method(m)[0], ""))).split()}
+        if overlap_pairs(rows, overlapped):
+            summary["overlap_vs_blocking"] = overlap_pairs(rows, overlapped)
         doc["summary"][bw] = summary
     text = json.dumps(doc, indent=2)
     with open(os.path.join(args.out, "emulated_cluster.json"), "w") as f:

@@ -193,22 +193,38 @@ def prox_gradient(eng):
 
 def overlapped_rounds(eng, model, step, x, y, consensus, rounds=ROUNDS, steps=LOCAL_STEPS):
     """``overlap``: ``rounds`` rounds of one rank, recording what :func:`check_overlapped_round` reads: the state
-    when each round starts (after the previous one is folded in), once it is folded in (``complete()``, where
-    the next round would fold it), θ just before that fold, and θ with the proximal gradient while it is in
-    flight; ``consensus()`` runs a round and returns its report."""
-    rec = {"before": [], "after": [], "pre_fold": [], "launched": [], "reports": []}
+    when each round starts, once it is folded in (where the engine folds it: at the next round, or after
+    ``overlap_steps`` of its local steps), θ and the buffers just before that fold and the local step it came
+    after, and θ with the proximal gradient while it is in flight; ``consensus()`` runs a round and returns
+    its report."""
+    rec = {"before": [], "after": [], "pre_fold": [], "fold_step": [], "launched": [], "reports": []}
+    count = {"steps": 0}
+    fold = eng._fold
+
+    def watched_fold():
+        rec["pre_fold"].append(theta_of(model))
+        rec["fold_step"].append(count["steps"])
+        out = fold()
+        rec["after"].append(snapshot(eng))
+        return out
+    eng._fold = watched_fold
+
+    def counted_step():   # counted first: a fold inside step j (after_step) comes after j steps
+        count["steps"] += 1
+        step()
     for rnd in range(rounds):
-        local_steps(model, step, x, y, steps)
-        if rnd:
-            rec["pre_fold"].append(theta_of(model))
-            eng.complete()
-            rec["after"].append(snapshot(eng))
-        rec["before"].append(snapshot(eng))
+        count["steps"] = 0
+        local_steps(model, counted_step, x, y, steps)
+        pending = eng._in_flight is not None   # folded in by consensus(), just before this round starts
+        if not pending:
+            rec["before"].append(snapshot(eng))
         rec["reports"].append(consensus())
+        if pending:
+            rec["before"].append(rec["after"][-1])
         rec["launched"].append({"theta": theta_of(model), "prox": prox_gradient(eng), "in_flight": eng._in_flight is not None})
-    rec["pre_fold"].append(theta_of(model))
+    count["steps"] = 0   # the last round is folded in by complete(), with no steps after it
     eng.complete()
-    rec["after"].append(snapshot(eng))
+    eng._fold = fold
     return rec
 
 
@@ -216,21 +232,24 @@ def check_overlapped_round(rnd, recs, node_ranks, eng):
     """The delayed math (docs/algorithm.md, "Overlapped rounds") for round ``rnd``, from every rank's
     :func:`overlapped_rounds` record: once folded in, u, z_i, v, z, ρ, masks and buffers are the blocking round's
     (reference_round of the state it started from). While it is in flight the local steps pull toward its z_i,
-    with its u, at the ρ1 it started with; θ started them at z_i (``restart`` node or global), and the fold
-    moves θ by z − z_i (global). Returns check_round's summary."""
+    with its u, at the ρ1 it started with; θ started them at the last z (``restart="global"``; the fold then
+    moves θ by the new z − that z) or at the new z_i (``"node"``). Returns check_round's summary."""
     before = [rec["before"][rnd] for rec in recs]
     after = [rec["after"][rnd] for rec in recs]
     want = expected_round(rnd, before, after, node_ranks, eng)
     out = check_round(rnd, before, after, node_ranks, eng, want=want, theta=False)
     restart, alpha = eng.config.restart, eng.config.relaxation
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
+    fold_at = min(eng.config.overlap_steps or LOCAL_STEPS, LOCAL_STEPS)
     for r, rec in enumerate(recs):
         flight, pre_fold, b = rec["launched"][rnd], rec["pre_fold"][rnd], before[r]
+        last = rnd == len(rec["fold_step"]) - 1
+        assert rec["fold_step"][rnd] == (0 if last else fold_at), (rnd, r, rec["fold_step"])
         assert flight["in_flight"] == (len(node_ranks) > 1), (rnd, r)
         z_i = want["z_i"][node_of[r]]
         for name in b["theta"]:
             ulp = want["ulp"].get(name)
-            started = z_i[name] if restart != "none" else b["theta"][name]
+            started = {"global": b["z"][name], "node": z_i[name]}.get(restart, b["theta"][name])
             compare(f"round {rnd} rank {r} theta[{name}] at the start of the flight", flight["theta"][name], started)
             u = b["u"][name].double() + alpha * b["theta"][name].double() + (1 - alpha) * b["z_i"][name].double() \
                 - z_i[name].double()
@@ -238,10 +257,12 @@ def check_overlapped_round(rnd, recs, node_ranks, eng):
             if b["frozen"] and name in b["masks"]:
                 prox = prox * torch.outer(*b["masks"][name]).reshape(prox.shape)
             compare(f"round {rnd} rank {r} proximal gradient[{name}] in flight", flight["prox"][name], prox.float())
-            folded = pre_fold[name] + (want["z"][name] - z_i[name] if restart == "global" else 0)
+            folded = pre_fold[name] + (want["z"][name] - b["z"][name] if restart == "global" else 0)
             compare(f"round {rnd} rank {r} theta[{name}] after the fold", after[r]["theta"][name], folded, ulp=ulp)
-        for name in b["buffers"]:   # a rank's float buffers keep the flight's updates, moved by average − sent
-            folded = pre_fold[name] + want["buffers"][name] - b["buffers"][name]
+        for name in b["buffers"]:   # a rank's float buffers keep the flight's updates, moved by w·(average −
+            # sent), w what is left of the start in BatchNorm's running average: 0.9 per batch since (1 elsewhere)
+            w = 0.9 ** rec["fold_step"][rnd] if name.endswith(("running_mean", "running_var")) else 1.0
+            folded = pre_fold[name] + w * (want["buffers"][name] - b["buffers"][name])
             compare(f"round {rnd} rank {r} buffer {name} after the fold", after[r]["buffers"][name], folded,
                     ulp=want["ulp"].get("buffer " + name))
     return out

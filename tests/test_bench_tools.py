@@ -38,6 +38,19 @@ def test_prunex_jobs_against_the_fastest_round_based_rival(cluster):
     assert cluster.rival_speedups({"prunex": {"time_to_target_s": 5.0}, "diloco": {}}) == {}
 
 
+def test_overlapped_jobs_against_their_blocking_twins(cluster):
+    rows = {"prunex": {"exchange_wait_s": 40.0, "time_to_target_s": 30.0, "train_wall_s": 100.0},
+            "prunex+ov2": {"exchange_wait_s": 4.0, "time_to_target_s": 24.0, "train_wall_s": 80.0},
+            "prunex+fp32": {"exchange_wait_s": 100.0, "time_to_target_s": 60.0, "train_wall_s": 200.0},
+            "prunex+fp32-overlap": {"exchange_wait_s": 1.0, "time_to_target_s": None, "train_wall_s": 110.0}}
+    got = cluster.overlap_pairs(rows, {"prunex+ov2", "prunex+fp32-overlap"})
+    assert got == {"prunex+ov2": {"blocking": "prunex", "exposed_wait_ratio": 0.1, "time_to_target_ratio": 0.8,
+                                  "train_wall_ratio": 0.8},
+                   "prunex+fp32-overlap": {"blocking": "prunex+fp32", "exposed_wait_ratio": 0.01,
+                                           "time_to_target_ratio": None, "train_wall_ratio": 0.55}}
+    assert cluster.overlap_pairs(rows, set()) == {}
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--methods", "prunex+x,nonsense"], "unknown method(s) ['nonsense']"),
     (["--methods", "prunex+x", "--method-args", "prunex+y=--lr 1"], "--method-args 'prunex+y=--lr 1': expected"),

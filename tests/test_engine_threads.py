@@ -141,7 +141,11 @@ OVERLAP_RUNS = {"2x2-channel": ((2, 2), "channel", {}),
                 "2x3-mixed-bf16": ((2, 3), "mixed", dict(payload_dtype="bf16")),
                 "2x2-coupled-node-relaxed": ((2, 2), "coupled", dict(restart="node", relaxation=1.6)),
                 "3x1-channel-paper-round": ((3, 1), "channel", dict(restart="none")),
-                "2x2-recipe": ((2, 2), "channel", dict(node_sync=True, keep_ramp_rounds=2, payload_dtype="bf16"))}
+                "2x2-recipe": ((2, 2), "channel", dict(node_sync=True, keep_ramp_rounds=2, payload_dtype="bf16")),
+                # folded in after the first of the next round's steps (freezing mid-round included)
+                "2x2-fold-after-1-step": ((2, 2), "channel", dict(overlap_steps=1)),
+                "2x3-recipe-fold-after-2-steps": ((2, 3), "mixed", dict(node_sync=True, keep_ramp_rounds=2,
+                                                                         payload_dtype="bf16", overlap_steps=2))}
 
 
 @pytest.mark.parametrize("run", list(OVERLAP_RUNS))
@@ -385,3 +389,28 @@ def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round):
             assert torch.equal(plain[r][0][k], took[r][0][k]), f"taking state_dict changed rank {r}'s {k}"
             assert torch.equal(took[r][0][k], resumed[r][0][k]), f"rank {r}'s {k} differs after the resume"
         assert plain[r][1] == took[r][1], r
+
+
+def test_a_round_in_flight_resumed_without_overlap_is_folded_first():
+    """A checkpoint taken mid-flight, loaded into an engine without overlap: its next round folds the recorded
+    round in, then runs a blocking round (two rounds done at once, nothing left in flight), and counts the
+    fold's bytes."""
+    models = [cases.make_model("chain", r) for r in range(4)]
+    on = ConsensusConfig(sparsity="channel:0.5", overlap=True, **cases.SETTINGS)
+    off = ConsensusConfig(sparsity="channel:0.5", overlap=False, **cases.SETTINGS)
+    structure = Structure.resolve(models[0], on)
+    native.module()
+
+    def rank_run(rank):
+        model = models[rank.topo.rank]
+        eng = HSADMM(model, rank.topo, rank.groups, on, structure, ledger=rank.ledger)
+        eng.consensus_round(steps=0)
+        saved = eng.state_dict()
+        plain = HSADMM(model, rank.topo, rank.groups, off, structure, ledger=rank.ledger)
+        plain.load_state_dict(saved)
+        assert plain._in_flight is not None and plain.round == 0
+        before = plain.bytes["intra"]
+        report = plain.consensus_round(steps=0)
+        return plain.round, plain._in_flight, report["in_flight"], plain.bytes["intra"] > before
+    for rounds, in_flight, reported, counted in run_ranks(2, 2, rank_run):
+        assert (rounds, in_flight, reported, counted) == (2, None, False, True)

@@ -263,6 +263,8 @@ _FLAGS = {
                           help="what the inter-node exchange carries (default: the model's dtype); bf16 / fp16 "
                                "send the change since the last consensus, rounded, with error feedback: half "
                                "the bytes"),
+    "overlap_steps": dict(type=int, help="with --overlap: fold each round's exchange in after this many of the "
+                                         "next round's local steps (default: at the next round)"),
     "backend": dict(group="job"),
     "hierarchical": None,   # the method decides: prunex or prunex-flat
 }

@@ -60,7 +60,8 @@ def _prunex(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, sampl
     return DistributedOptimizer(optimizer, model, cfg.consensus, hierarchical=hierarchical,
                                 node_sync=hierarchical and cfg.consensus.node_sync,
                                 payload_dtype=cfg.consensus.payload_dtype if hierarchical else None,
-                                overlap=hierarchical and cfg.consensus.overlap)
+                                overlap=hierarchical and cfg.consensus.overlap,
+                                overlap_steps=cfg.consensus.overlap_steps if hierarchical else None)
 
 
 def _prunex_flat(optimizer, model, cfg, sample_batch):

@@ -19,9 +19,10 @@ The accelerations (docs/algorithm.md, "Accelerations"): ``relaxation`` α puts �
 α·z_i + (1 − α)·z) in place of θ (z_i) in the next tier's step and in the dual update; ``rho_growth`` multiplies
 every ρ each round; ``keep_ramp_rounds`` lowers the keep ratios from 1 to their targets over the first rounds.
 
-``overlap``: a round stops after phase 4 has started the leaders' exchange; the next round (or ``complete()``,
-``finalize()``, a mid-flight ``state_dict()`` for the wire alone) waits for it and runs phases 5–10, while the
-local steps in between pull toward the new z_i (docs/algorithm.md, "Overlapped rounds").
+``overlap``: a round stops after phase 4 has started the leaders' exchange; the next round (or the
+``overlap_steps``-th local step after it, ``complete()``, ``finalize()``; a mid-flight ``state_dict()`` for the wire
+alone) waits for it and runs phases 5–10, while the local steps in between pull toward the new z_i
+(docs/algorithm.md, "Overlapped rounds").
 
 Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`HSADMM.add_proximal_grad`); with
 ``node_sync`` the node's ranks first average their gradients (:meth:`HSADMM.sync_node_grads`), so each node
@@ -105,7 +106,20 @@ class _InFlight:
     works: list                      # the leaders' async allreduces (none once received)
     pending_ef: Optional[list]       # a narrow payload's new rounding errors (leaders)
     buffers_sent: List[torch.Tensor]  # this rank's float buffers as the round sent them
+    batches_sent: List[Optional[int]]  # their BatchNorm's num_batches_tracked then (None: not a running stat)
     received: bool = False
+    steps_since: int = 0             # local steps taken since it started (overlap_steps folds it in)
+
+
+def _running_stat_owner(model: torch.nn.Module, buffer_name: str):
+    """The BatchNorm module whose running mean or variance ``buffer_name`` is (it counts its batches), else
+    None."""
+    owner, _, leaf = buffer_name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    if leaf in ("running_mean", "running_var") and isinstance(module, torch.nn.modules.batchnorm._NormBase) \
+            and getattr(module, "num_batches_tracked", None) is not None:
+        return module
+    return None
 
 
 def _ranks(ranks: List[int]) -> str:
@@ -128,6 +142,7 @@ class HSADMM:
         self.ledger = ledger or default_ledger()
         params = [(n, p) for n, p in model.named_parameters()]
         self.buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+        self._ema_owners = [_running_stat_owner(model, n) for n, _ in self.buffers]   # BatchNorm's, else None
         dtypes = {p.dtype for _, p in params} | {b.dtype for _, b in self.buffers}
         devices = {p.device for _, p in params} | {b.device for _, b in self.buffers}
         if len(dtypes) != 1 or len(devices) != 1:
@@ -257,10 +272,17 @@ class HSADMM:
 
     def after_step(self) -> None:
         """Retraining phase (PruneX §4.5): once masks are frozen, θ stays on the frozen structure, so training
-        is ordinary data-parallel training of the pruned model (momentum would move pruned entries)."""
+        is ordinary data-parallel training of the pruned model (momentum would move pruned entries). With
+        ``overlap_steps``, the round in flight is folded in after that many steps (collective: every rank steps
+        alike)."""
         if self.frozen and self.config.masked_retrain and self.structured:
             with torch.no_grad():
                 torch._foreach_mul_([e.param for e in self.structured], self._retrain_support())
+        f = self._in_flight
+        if f is not None:
+            f.steps_since += 1
+            if f.steps_since == self.config.overlap_steps:
+                self.complete()
 
     def _retrain_support(self) -> List[torch.Tensor]:
         if self._support is None:
@@ -332,12 +354,13 @@ class HSADMM:
         self._in_flight = _InFlight(steps=steps, nonfinite=nonfinite, z_i=z_i_new, du=du,
                                     theta_sq=self._theta_sq(z_i_new), masks_before=masks_before, layout=layout,
                                     works=works, pending_ef=self._pending_ef,
-                                    buffers_sent=[b.clone() for _, b in self.buffers])
+                                    buffers_sent=[b.clone() for _, b in self.buffers],
+                                    batches_sent=self._batches_tracked())
         self._pending_ef = None
-        if self.config.restart != "none":             # 10. (early half) θ starts at the node's new z_i
-            with torch.no_grad():
+        if self.config.restart != "none":             # 10. (early half) θ starts at the consensus known now:
+            with torch.no_grad():                     #     the last z (global), the node's new z_i (node)
                 for e, z_i in zip(self.entries, z_i_new):
-                    e.param.copy_(z_i)
+                    e.param.copy_(e.z if self.config.restart == "global" else z_i)
         self._refresh_prox()                          # the local steps pull toward this round's z_i already
         return self._report(before, time.perf_counter() - t0, layout.total_numel, wait)
 
@@ -358,8 +381,10 @@ class HSADMM:
 
     def _fold(self) -> float:
         """Phases 5–10 of the round in flight, as the blocking round runs them (the duals from θ as the round
-        sent it); θ, restarted at z_i when the round started, moves by z − z_i (the restart's global half)."""
+        sent it); θ, restarted at the last z when the round started (``restart="global"``), moves by the new z −
+        that z (the restart's late half)."""
         f = self._in_flight
+        z_old = [e.z for e in self.entries]   # the z θ restarted at (phase 7 replaces the tensors)
         wait = self._receive()
         z_new = self._recover(f.layout)               # 5. recovery of z
         try:                                          # 6. verdict
@@ -371,15 +396,34 @@ class HSADMM:
             raise
         self._in_flight = None
         self._pending_ef = f.pending_ef
-        self._update_duals(f.z_i, z_new, f.layout, du=f.du, buffers_sent=f.buffers_sent)   # 7. duals, buffers
+        self._update_duals(f.z_i, z_new, f.layout, du=f.du,   # 7. duals and buffers
+                           buffers_sent=(f.buffers_sent, self._start_weights(f.batches_sent)))
         self._adapt_rho(totals, s_inter_sq)           # 8. residuals and adaptive ρ (refreshes the prox cache)
         self.round += 1
         self._maybe_freeze()                          # 9. freezing
-        if self.config.restart == "global":           # 10. (late half) θ += z − z_i
+        if self.config.restart == "global":           # 10. (late half) θ += z_new − z_old
             with torch.no_grad():
-                for e, z_i in zip(self.entries, f.z_i):
-                    e.param.add_((e.z - z_i).to(e.param.dtype))
+                for e, z in zip(self.entries, z_old):
+                    e.param.add_((e.z - z).to(e.param.dtype))
         return wait
+
+    def _batches_tracked(self) -> List[Optional[int]]:
+        return [None if m is None else int(m.num_batches_tracked) for m in self._ema_owners]
+
+    def _start_weights(self, batches_sent: List[Optional[int]]) -> List[float]:
+        """Per float buffer, the weight a running statistic still gives its value of ``batches_sent`` ago
+        (momentum m: (1 − m)^n after n batches; momentum None, the cumulative average: n0 / (n0 + n))."""
+        out = []
+        for m, then in zip(self._ema_owners, batches_sent):
+            if m is None or then is None:
+                out.append(1.0)
+                continue
+            n = int(m.num_batches_tracked) - then
+            if m.momentum is None:
+                out.append(then / (then + n) if then + n > 0 else 1.0)
+            else:
+                out.append((1.0 - m.momentum) ** n)
+        return out
 
     def complete(self) -> None:
         """Fold in the round in flight now (``overlap``; collective: every rank calls it), so the engine's z,
@@ -522,11 +566,14 @@ class HSADMM:
         return totals, s_inter_sq
 
     def _update_duals(self, z_i_new, z_new, layout: BucketLayout, du: Optional[List[torch.Tensor]] = None,
-                      buffers_sent: Optional[List[torch.Tensor]] = None) -> None:
+                      buffers_sent: Optional[tuple] = None) -> None:
         """Phase 7: v_i += z_i − z, u += θ − z_i (``du``: that step, formed when θ was sent); the new z_i and
         z; the float buffers averaged in the round (kept too: with z they are the consensus model). Each rank's
-        buffers take the average; with ``buffers_sent`` (overlap: what this rank sent, its buffers having moved
-        since) they move by average − sent instead, keeping the updates of the steps in between."""
+        buffers take the average; with ``buffers_sent`` = (what this rank sent, w per buffer) (overlap: its
+        buffers have moved since) they move by w·(average − sent) instead, keeping the updates of the steps in
+        between: w is what is left of the start in a running average (BatchNorm: (1 − momentum)^batches), so
+        the result is the running average those steps would have made from the round's average (a variance
+        stays positive); 1 for other buffers."""
         for k, e in enumerate(self.entries):   # (over-relaxed: the relaxed points of the round's steps)
             admm.update_dual(e.v, self._relaxed_node(z_i_new[k], e), z_new[k])
             if du is None:
@@ -543,7 +590,8 @@ class HSADMM:
             if buffers_sent is None:
                 b.copy_(avg)
             else:
-                b.add_(avg - buffers_sent[j])
+                sent, weights = buffers_sent
+                b.add_(avg - sent[j], alpha=weights[j])
         if self.delta_coded and self._pending_ef:   # leaders: the errors of this round's rounding
             for ef, new in zip([e.ef for e in self.entries] + self._buffer_ef, self._pending_ef):
                 ef.copy_(new)
@@ -845,7 +893,8 @@ class HSADMM:
                 "masks_before": [(m[0].clone(), m[1].clone()) for m in f.masks_before[0]],
                 "mask_drift_before": f.masks_before[1],
                 "pending_ef": None if f.pending_ef is None else [t.clone() for t in f.pending_ef],
-                "buffers_sent": [b.clone() for b in f.buffers_sent]}
+                "buffers_sent": [b.clone() for b in f.buffers_sent], "batches_sent": list(f.batches_sent),
+                "steps_since": f.steps_since}
         return sd
 
     def _committed_state(self) -> dict:
@@ -914,4 +963,6 @@ class HSADMM:
             theta_sq=list(s["theta_sq"].to(self.device).unbind(0)),
             masks_before=(before, float(s["mask_drift_before"]), None), layout=layout, works=[],
             pending_ef=None if s["pending_ef"] is None else [t.to(self.device).clone() for t in s["pending_ef"]],
-            buffers_sent=[t.to(self.device).clone() for t in s["buffers_sent"]], received=True)
+            buffers_sent=[t.to(self.device).clone() for t in s["buffers_sent"]],
+            batches_sent=list(s["batches_sent"]), received=True,
+            steps_since=int(s["steps_since"]))

@@ -34,6 +34,7 @@ def main():
                     help="the inter-node exchange's payload: the rounded change since z, with error feedback")
     ap.add_argument("--overlap", action="store_true",
                     help="overlapped rounds: checked against the delayed math (engine_cases.check_overlapped_round)")
+    ap.add_argument("--overlap-steps", type=int, default=None, help="with --overlap: fold after this many steps")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
@@ -46,7 +47,7 @@ def main():
     spec = json.loads(a.sparsity) if a.sparsity.startswith("{") else a.sparsity
     opt = px.DistributedOptimizer(cases.sgd(model), model, sparsity=spec, local_steps=10**6, backend=a.backend,
                                   coupled=a.coupled, node_sync=a.node_sync, payload_dtype=a.payload_dtype,
-                                  overlap=a.overlap,
+                                  overlap=a.overlap, overlap_steps=a.overlap_steps,
                                   **dict(cases.SETTINGS, freeze_round=a.freeze_round))
     eng = opt._engine
     cases.assert_same_everywhere(control.allgather_object(cases.model_state(model)), "after construction")
