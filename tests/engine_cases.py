@@ -136,11 +136,12 @@ def expected_round(rnd, before, after, node_ranks, eng):
                            payload=eng.payload_dtype if eng.delta_coded else None)
 
 
-def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True):
+def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buffers=True):
     """Every rank's state after round ``rnd`` (``after[r]``, θ included unless ``theta=False``) against the
     reference round over all ranks' states before it (``want``, :func:`expected_round` by default); ``eng`` (any
-    rank's engine) gives the settings. Returns what the round sent, for :func:`check_results`: whether the masks
-    were frozen before it, and the compact (rows, cols) per layer."""
+    rank's engine) gives the settings; ``buffers=False`` leaves the float buffers (and their rounding errors) to
+    the caller. Returns what the round sent, for :func:`check_results`: whether the masks were frozen before
+    it, and the compact (rows, cols) per layer."""
     want = want or expected_round(rnd, before, after, node_ranks, eng)
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
     for r, got in enumerate(after):
@@ -158,12 +159,12 @@ def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True):
         for name, (rows, cols) in got["masks"].items():
             assert torch.equal(rows, want["masks"][name][0]) and torch.equal(cols, want["masks"][name][1]), \
                 (rnd, r, name)
-        for name in got["buffers"]:   # (overlap: the round's average, the rank's own buffers have moved on)
-            compare(f"round {rnd} rank {r} buffer {name}", got["buffers" if theta else "round_buffers"][name],
-                    want["buffers"][name], ulp=want["ulp"].get("buffer " + name))
+        for name in got["buffers"] if buffers else ():
+            compare(f"round {rnd} rank {r} buffer {name}", got["buffers"][name], want["buffers"][name],
+                    ulp=want["ulp"].get("buffer " + name))
         if eng.delta_coded:   # the leaders' rounding errors, sent again next round; nobody else keeps one
             leader = r == node_ranks[node][0]
-            for key in ("ef", "buffer_ef"):
+            for key in ("ef", "buffer_ef") if buffers else ("ef",):
                 for name, ef in got[key].items():
                     compare(f"round {rnd} rank {r} {key}[{name}]", ef,
                             want[key][name][node] if leader else torch.zeros_like(ef),
@@ -232,15 +233,26 @@ def check_overlapped_round(rnd, recs, node_ranks, eng):
     """The delayed math (docs/algorithm.md, "Overlapped rounds") for round ``rnd``, from every rank's
     :func:`overlapped_rounds` record: once folded in, u, z_i, v, z, ρ, masks and buffers are the blocking round's
     (reference_round of the state it started from). While it is in flight the local steps pull toward its z_i,
-    with its u, at the ρ1 it started with; θ started them at the last z (``restart="global"``; the fold then
-    moves θ by the new z − that z) or at the new z_i (``"node"``). Returns check_round's summary."""
+    with its u, at the ρ1 it started with, from θ as sent; the fold moves θ by z − θ_sent (``restart="global"``;
+    z_i − θ_sent with ``"node"``). Returns check_round's summary."""
     before = [rec["before"][rnd] for rec in recs]
     after = [rec["after"][rnd] for rec in recs]
     want = expected_round(rnd, before, after, node_ranks, eng)
-    out = check_round(rnd, before, after, node_ranks, eng, want=want, theta=False)
+    out = check_round(rnd, before, after, node_ranks, eng, want=want, theta=False, buffers=False)
+    node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
+    for r in range(len(recs)):   # the consensus model's buffers: the round's average, as the blocking round's
+        for name in before[r]["buffers"]:
+            compare(f"round {rnd} rank {r} consensus buffer {name}", after[r]["round_buffers"][name],
+                    want["buffers"][name], ulp=want["ulp"].get("buffer " + name))
+        if eng.delta_coded:
+            leader = r == node_ranks[node_of[r]][0]
+            for name, ef in after[r]["buffer_ef"].items():
+                compare(f"round {rnd} rank {r} buffer_ef[{name}]", ef,
+                        want["buffer_ef"][name][node_of[r]] if leader else torch.zeros_like(ef),
+                        ulp=want["ulp"]["buffer " + name])
     restart, alpha = eng.config.restart, eng.config.relaxation
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
-    fold_at = min(eng.config.overlap_steps or LOCAL_STEPS, LOCAL_STEPS)
+    fold_at = min(eng.fold_after, LOCAL_STEPS)
     for r, rec in enumerate(recs):
         flight, pre_fold, b = rec["launched"][rnd], rec["pre_fold"][rnd], before[r]
         last = rnd == len(rec["fold_step"]) - 1
@@ -249,22 +261,18 @@ def check_overlapped_round(rnd, recs, node_ranks, eng):
         z_i = want["z_i"][node_of[r]]
         for name in b["theta"]:
             ulp = want["ulp"].get(name)
-            started = {"global": b["z"][name], "node": z_i[name]}.get(restart, b["theta"][name])
-            compare(f"round {rnd} rank {r} theta[{name}] at the start of the flight", flight["theta"][name], started)
+            assert torch.equal(flight["theta"][name], b["theta"][name]), (rnd, r, name)   # steps go on from θ
             u = b["u"][name].double() + alpha * b["theta"][name].double() + (1 - alpha) * b["z_i"][name].double() \
                 - z_i[name].double()
             prox = b["rho1"][name] * (flight["theta"][name].double() - z_i[name].double() + u)
             if b["frozen"] and name in b["masks"]:
                 prox = prox * torch.outer(*b["masks"][name]).reshape(prox.shape)
             compare(f"round {rnd} rank {r} proximal gradient[{name}] in flight", flight["prox"][name], prox.float())
-            folded = pre_fold[name] + (want["z"][name] - b["z"][name] if restart == "global" else 0)
+            target = {"global": want["z"][name], "node": z_i[name]}.get(restart, b["theta"][name])
+            folded = pre_fold[name] + (target - b["theta"][name])   # rebased: the steps since, on the consensus
             compare(f"round {rnd} rank {r} theta[{name}] after the fold", after[r]["theta"][name], folded, ulp=ulp)
-        for name in b["buffers"]:   # a rank's float buffers keep the flight's updates, moved by w·(average −
-            # sent), w what is left of the start in BatchNorm's running average: 0.9 per batch since (1 elsewhere)
-            w = 0.9 ** rec["fold_step"][rnd] if name.endswith(("running_mean", "running_var")) else 1.0
-            folded = pre_fold[name] + w * (want["buffers"][name] - b["buffers"][name])
-            compare(f"round {rnd} rank {r} buffer {name} after the fold", after[r]["buffers"][name], folded,
-                    ulp=want["ulp"].get("buffer " + name))
+        for name in b["buffers"]:   # a rank's own running statistics follow its steps: the fold leaves them
+            assert torch.equal(after[r]["buffers"][name], pre_fold[name]), (rnd, r, name)
     return out
 
 

@@ -264,7 +264,7 @@ _FLAGS = {
                                "send the change since the last consensus, rounded, with error feedback: half "
                                "the bytes"),
     "overlap_steps": dict(type=int, help="with --overlap: fold each round's exchange in after this many of the "
-                                         "next round's local steps (default: at the next round)"),
+                                         "next round's local steps (default: a quarter of a round)"),
     "backend": dict(group="job"),
     "hierarchical": None,   # the method decides: prunex or prunex-flat
 }

@@ -169,7 +169,8 @@ class ConsensusConfig:
     overlap: bool = _knob(False, "leave each round's inter-node exchange in flight while the next round's local "
                                  "steps run; folded in at the next round", agree="round")
     overlap_steps: Optional[int] = _knob(None, "with overlap: fold the exchange in after this many of the next "
-                                               "round's local steps (None: at the next round)", agree="round")
+                                               "round's local steps (None: a quarter of local_steps)",
+                                         agree="round")
 
     def __post_init__(self):
         def integer(name, minimum):

@@ -105,21 +105,9 @@ class _InFlight:
     layout: BucketLayout             # the compact buckets: the average, once received
     works: list                      # the leaders' async allreduces (none once received)
     pending_ef: Optional[list]       # a narrow payload's new rounding errors (leaders)
-    buffers_sent: List[torch.Tensor]  # this rank's float buffers as the round sent them
-    batches_sent: List[Optional[int]]  # their BatchNorm's num_batches_tracked then (None: not a running stat)
+    theta_sent: Optional[List[torch.Tensor]] = None   # θ as sent (restart: the fold rebases the steps since on z)
     received: bool = False
     steps_since: int = 0             # local steps taken since it started (overlap_steps folds it in)
-
-
-def _running_stat_owner(model: torch.nn.Module, buffer_name: str):
-    """The BatchNorm module whose running mean or variance ``buffer_name`` is (it counts its batches), else
-    None."""
-    owner, _, leaf = buffer_name.rpartition(".")
-    module = model.get_submodule(owner) if owner else model
-    if leaf in ("running_mean", "running_var") and isinstance(module, torch.nn.modules.batchnorm._NormBase) \
-            and getattr(module, "num_batches_tracked", None) is not None:
-        return module
-    return None
 
 
 def _ranks(ranks: List[int]) -> str:
@@ -142,7 +130,6 @@ class HSADMM:
         self.ledger = ledger or default_ledger()
         params = [(n, p) for n, p in model.named_parameters()]
         self.buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
-        self._ema_owners = [_running_stat_owner(model, n) for n, _ in self.buffers]   # BatchNorm's, else None
         dtypes = {p.dtype for _, p in params} | {b.dtype for _, b in self.buffers}
         devices = {p.device for _, p in params} | {b.device for _, b in self.buffers}
         if len(dtypes) != 1 or len(devices) != 1:
@@ -188,6 +175,8 @@ class HSADMM:
         self._support: Optional[List[torch.Tensor]] = None   # dense masks of the retraining phase
         # ``overlap``: the round whose inter-node exchange is in flight while the next local steps run
         self.overlap = config.overlap and self.inter_tier
+        # the local step after which the round in flight is folded in (overlap_steps, default a quarter round)
+        self.fold_after = config.overlap_steps or max(1, config.local_steps // 4)
         self._in_flight: Optional[_InFlight] = None
         self.exchange_wait_s = 0.0   # time ranks waited on the consensus exchange, all rounds
         self._refresh_prox()
@@ -281,7 +270,7 @@ class HSADMM:
         f = self._in_flight
         if f is not None:
             f.steps_since += 1
-            if f.steps_since == self.config.overlap_steps:
+            if f.steps_since == self.fold_after:
                 self.complete()
 
     def _retrain_support(self) -> List[torch.Tensor]:
@@ -299,7 +288,7 @@ class HSADMM:
             raise RuntimeError("consensus round after finalize(): finalize() ends training (the model now holds "
                                "the consensus z); to evaluate the consensus mid-run use consensus_weights()")
         with watchdog.waiting(f"consensus round {self.round + 1}", world=True):
-            if self.overlap or self._in_flight is not None:
+            if self.overlap:
                 return self._overlapped_round(steps)
             return self._round(steps)
 
@@ -336,12 +325,6 @@ class HSADMM:
         see stale values: ρ1 (the previous round's), and where θ restarts (z_i now, z − z_i added at the fold)."""
         t0, before = time.perf_counter(), self.ledger.summary(by_op=False)
         wait = self._fold() if self._in_flight is not None else 0.0
-        if not self.overlap:   # a checkpoint's round in flight, resumed without overlap: folded, then as usual
-            self._count_traffic(before)
-            self.exchange_wait_s += wait
-            report = self._round(steps)
-            report["exchange_wait_seconds"] += wait
-            return report
         nonfinite = self._intra_sum()                 # 1. intra-node sum of θ + u and the float buffers
         z_i_new = self._node_candidates()             # 2. node candidate z̃_i
         masks_before = self._mask_state()
@@ -354,13 +337,9 @@ class HSADMM:
         self._in_flight = _InFlight(steps=steps, nonfinite=nonfinite, z_i=z_i_new, du=du,
                                     theta_sq=self._theta_sq(z_i_new), masks_before=masks_before, layout=layout,
                                     works=works, pending_ef=self._pending_ef,
-                                    buffers_sent=[b.clone() for _, b in self.buffers],
-                                    batches_sent=self._batches_tracked())
+                                    theta_sent=[e.param.detach().clone() for e in self.entries]
+                                    if self.config.restart != "none" else None)
         self._pending_ef = None
-        if self.config.restart != "none":             # 10. (early half) θ starts at the consensus known now:
-            with torch.no_grad():                     #     the last z (global), the node's new z_i (node)
-                for e, z_i in zip(self.entries, z_i_new):
-                    e.param.copy_(e.z if self.config.restart == "global" else z_i)
         self._refresh_prox()                          # the local steps pull toward this round's z_i already
         return self._report(before, time.perf_counter() - t0, layout.total_numel, wait)
 
@@ -381,10 +360,9 @@ class HSADMM:
 
     def _fold(self) -> float:
         """Phases 5–10 of the round in flight, as the blocking round runs them (the duals from θ as the round
-        sent it); θ, restarted at the last z when the round started (``restart="global"``), moves by the new z −
-        that z (the restart's late half)."""
+        sent it); θ, which went on stepping from where it was sent, moves by z − θ_sent (``restart="global"``;
+        z_i − θ_sent with ``"node"``): the restart, with the steps taken since kept on top."""
         f = self._in_flight
-        z_old = [e.z for e in self.entries]   # the z θ restarted at (phase 7 replaces the tensors)
         wait = self._receive()
         z_new = self._recover(f.layout)               # 5. recovery of z
         try:                                          # 6. verdict
@@ -396,34 +374,16 @@ class HSADMM:
             raise
         self._in_flight = None
         self._pending_ef = f.pending_ef
-        self._update_duals(f.z_i, z_new, f.layout, du=f.du,   # 7. duals and buffers
-                           buffers_sent=(f.buffers_sent, self._start_weights(f.batches_sent)))
+        self._update_duals(f.z_i, z_new, f.layout, du=f.du, own_buffers=True)   # 7. duals, consensus buffers
         self._adapt_rho(totals, s_inter_sq)           # 8. residuals and adaptive ρ (refreshes the prox cache)
         self.round += 1
         self._maybe_freeze()                          # 9. freezing
-        if self.config.restart == "global":           # 10. (late half) θ += z_new − z_old
+        if f.theta_sent is not None:                  # 10. restart, late: θ += z − θ_sent (node: z_i − θ_sent)
             with torch.no_grad():
-                for e, z in zip(self.entries, z_old):
-                    e.param.add_((e.z - z).to(e.param.dtype))
+                for e, sent in zip(self.entries, f.theta_sent):
+                    target = e.z if self.config.restart == "global" else e.z_i
+                    e.param.add_(target.to(e.param.dtype) - sent)
         return wait
-
-    def _batches_tracked(self) -> List[Optional[int]]:
-        return [None if m is None else int(m.num_batches_tracked) for m in self._ema_owners]
-
-    def _start_weights(self, batches_sent: List[Optional[int]]) -> List[float]:
-        """Per float buffer, the weight a running statistic still gives its value of ``batches_sent`` ago
-        (momentum m: (1 − m)^n after n batches; momentum None, the cumulative average: n0 / (n0 + n))."""
-        out = []
-        for m, then in zip(self._ema_owners, batches_sent):
-            if m is None or then is None:
-                out.append(1.0)
-                continue
-            n = int(m.num_batches_tracked) - then
-            if m.momentum is None:
-                out.append(then / (then + n) if then + n > 0 else 1.0)
-            else:
-                out.append((1.0 - m.momentum) ** n)
-        return out
 
     def complete(self) -> None:
         """Fold in the round in flight now (``overlap``; collective: every rank calls it), so the engine's z,
@@ -566,14 +526,11 @@ class HSADMM:
         return totals, s_inter_sq
 
     def _update_duals(self, z_i_new, z_new, layout: BucketLayout, du: Optional[List[torch.Tensor]] = None,
-                      buffers_sent: Optional[tuple] = None) -> None:
+                      own_buffers: bool = False) -> None:
         """Phase 7: v_i += z_i − z, u += θ − z_i (``du``: that step, formed when θ was sent); the new z_i and
-        z; the float buffers averaged in the round (kept too: with z they are the consensus model). Each rank's
-        buffers take the average; with ``buffers_sent`` = (what this rank sent, w per buffer) (overlap: its
-        buffers have moved since) they move by w·(average − sent) instead, keeping the updates of the steps in
-        between: w is what is left of the start in a running average (BatchNorm: (1 − momentum)^batches), so
-        the result is the running average those steps would have made from the round's average (a variance
-        stays positive); 1 for other buffers."""
+        z; the float buffers averaged in the round, kept (with z they are the consensus model) and taken by
+        every rank, unless ``own_buffers`` (overlap: a rank's running statistics have followed its steps since
+        it sent them, and keep doing so)."""
         for k, e in enumerate(self.entries):   # (over-relaxed: the relaxed points of the round's steps)
             admm.update_dual(e.v, self._relaxed_node(z_i_new[k], e), z_new[k])
             if du is None:
@@ -587,11 +544,8 @@ class HSADMM:
             if self.delta_coded:   # the change of the averaged buffers
                 avg = (self._round_buffers[j].to(self.state_dtype) + avg.to(self.state_dtype)).to(b.dtype)
             self._round_buffers[j].copy_(avg)
-            if buffers_sent is None:
+            if not own_buffers:
                 b.copy_(avg)
-            else:
-                sent, weights = buffers_sent
-                b.add_(avg - sent[j], alpha=weights[j])
         if self.delta_coded and self._pending_ef:   # leaders: the errors of this round's rounding
             for ef, new in zip([e.ef for e in self.entries] + self._buffer_ef, self._pending_ef):
                 ef.copy_(new)
@@ -893,8 +847,8 @@ class HSADMM:
                 "masks_before": [(m[0].clone(), m[1].clone()) for m in f.masks_before[0]],
                 "mask_drift_before": f.masks_before[1],
                 "pending_ef": None if f.pending_ef is None else [t.clone() for t in f.pending_ef],
-                "buffers_sent": [b.clone() for b in f.buffers_sent], "batches_sent": list(f.batches_sent),
-                "steps_since": f.steps_since}
+                "steps_since": f.steps_since,
+                "theta_sent": None if f.theta_sent is None else dict(zip(names, (t.clone() for t in f.theta_sent)))}
         return sd
 
     def _committed_state(self) -> dict:
@@ -940,6 +894,9 @@ class HSADMM:
         self._compact = self._support = None
         self._in_flight = None
         if sd.get("in_flight") is not None:
+            if not self.overlap:
+                raise ValueError("engine state: it holds a round in flight (saved with overlap=True); resume it with "
+                                 "overlap=True (the round is folded in after the next steps)")
             self._load_in_flight(sd["in_flight"])
         self._refresh_prox()
 
@@ -963,6 +920,5 @@ class HSADMM:
             theta_sq=list(s["theta_sq"].to(self.device).unbind(0)),
             masks_before=(before, float(s["mask_drift_before"]), None), layout=layout, works=[],
             pending_ef=None if s["pending_ef"] is None else [t.to(self.device).clone() for t in s["pending_ef"]],
-            buffers_sent=[t.to(self.device).clone() for t in s["buffers_sent"]],
-            batches_sent=list(s["batches_sent"]), received=True,
-            steps_since=int(s["steps_since"]))
+            received=True, steps_since=int(s["steps_since"]),
+            theta_sent=None if s["theta_sent"] is None else [s["theta_sent"][n].to(self.device).clone() for n in names])
