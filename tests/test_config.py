@@ -29,6 +29,10 @@ KNOBS = ConsensusConfig.knob_names()
     ({"backend": "tcp"}, r"unknown backend 'tcp'"),
     ({"node_sync": 1}, r"node_sync must be True or False, got 1"),
     ({"node_sync": True, "hierarchical": False}, r"node_sync=True needs hierarchical=True"),
+    ({"overlap": 1}, r"overlap must be True or False, got 1"),
+    ({"overlap": True, "hierarchical": False}, r"overlap=True overlaps the hierarchical consensus"),
+    ({"overlap": True, "overlap_steps": 0}, r"overlap_steps must be None or an integer >= 1, got 0"),
+    ({"overlap_steps": 3}, r"overlap_steps is when an overlapped round is folded in: it needs overlap=True"),
 ])
 def test_a_bad_knob_is_refused_when_the_config_is_made(knobs, message):
     with pytest.raises(ValueError, match=message):
@@ -72,10 +76,14 @@ def test_ranks_compare_every_knob():
                "adaptive_rho": False, "weight_decay_z": 0.1, "freeze_round": 2, "freeze_patience": 9,
                "masked_retrain": False, "coupled": True, "bucket_mb": 1.0, "backend": "gloo",
                "hierarchical": False, "restart": "node", "relaxation": 1.5, "rho_growth": 1.3,
-               "keep_ramp_rounds": 4, "node_sync": True, "payload_dtype": "bf16"}
+               "keep_ramp_rounds": 4, "node_sync": True, "payload_dtype": "bf16", "overlap": True,
+               "overlap_steps": 2}
     assert set(changed) == set(KNOBS)
+    needs = {"overlap_steps": {"overlap": True}}   # a knob that only means something with another
     for name, value in changed.items():
-        other = dataclasses.replace(base, **{name: value})
+        other = dataclasses.replace(dataclasses.replace(base, **needs.get(name, {})), **{name: value})
+        if name in needs:   # compared against the base with its prerequisite only
+            agreed = dataclasses.replace(base, **needs[name]).agreement(Structure.resolve(model, base))
         theirs = other.agreement(Structure.resolve(model, other))
         differ = {k for k in agreed if agreed[k] != theirs[k]}
         # the same specs spelled another way resolve alike: not a disagreement
@@ -83,7 +91,9 @@ def test_ranks_compare_every_knob():
                           adaptive_rho="rho", weight_decay_z="rho", freeze_round="freezing",
                           freeze_patience="freezing", masked_retrain="freezing", restart="round",
                           relaxation="round", rho_growth="rho", keep_ramp_rounds="freezing",
-                          node_sync="round", payload_dtype="round").get(name, name)}), name
+                          node_sync="round", payload_dtype="round", overlap="round",
+                          overlap_steps="round").get(name, name)}), name
+        agreed = base.agreement(Structure.resolve(model, base))
 
 
 def test_the_training_config_embeds_the_consensus_and_reads_flat_names():

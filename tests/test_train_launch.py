@@ -81,19 +81,22 @@ def test_resume_equals_uninterrupted(full_run, tmp_path):
     assert_same_run(ref, out)
 
 
-def test_overlapped_resume_equals_uninterrupted(tmp_path):
-    """overlap: a checkpoint taken with a round in flight records it (its exchange completed, not folded in),
-    so the sliced run, checkpointed every round and stopped mid-flight, ends bit for bit where an
-    uninterrupted run without checkpoints ends: checkpoints do not change an overlapped run."""
+@pytest.mark.parametrize("fold", [None, "7"], ids=["fold-after-a-quarter", "fold-at-the-next-round"])
+def test_overlapped_resume_equals_uninterrupted(tmp_path, fold):
+    """overlap: the sliced run, checkpointed every round and stopped after round 4, ends bit for bit where an
+    uninterrupted run without checkpoints ends: checkpoints do not change an overlapped run. Folded at the next
+    round (7 steps a round), each checkpoint is taken with a round in flight and records it (its exchange
+    completed, not folded in); folded after a quarter round, a checkpoint comes at the fold."""
+    flags = ["--overlap"] + (["--overlap-steps", fold] if fold else [])
     ref = tmp_path / "ref"
-    assert train(ref, "--overlap", "--checkpoint-every", "0").returncode == 0
+    assert train(ref, *flags, "--checkpoint-every", "0").returncode == 0
     out = tmp_path / "sliced"
-    first = train(out, "--overlap", "--checkpoint-every", "1", "--stop-after-rounds", "4")
+    first = train(out, *flags, "--checkpoint-every", "1", "--stop-after-rounds", "4")
     assert first.returncode == 0 and "stopped after round 4" in first.stdout, first.stdout[-4000:]
-    state = torch.load(out / "ckpt" / f"tag{json.loads((out / 'checkpoint.json').read_text())['tag']:08d}.rank00000.pt",
-                       weights_only=False)
-    assert state["state"]["optimizer"]["prunex"]["in_flight"] is not None   # round 5 was in flight at the stop
-    again = train(out, "--overlap", "--checkpoint-every", "1", "--resume")
+    tag = json.loads((out / "checkpoint.json").read_text())["tag"]
+    state = torch.load(out / "ckpt" / f"tag{tag:08d}.rank00000.pt", weights_only=False)
+    assert ("in_flight" in state["state"]["optimizer"]["prunex"]) == (fold is not None)
+    again = train(out, *flags, "--checkpoint-every", "1", "--resume")
     assert again.returncode == 0, again.stdout[-4000:]
     assert_same_run(ref, out)
 

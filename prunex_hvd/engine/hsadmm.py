@@ -320,9 +320,10 @@ class HSADMM:
 
     # -- the overlapped round (docs/algorithm.md, "Overlapped rounds") ------------------------------------
     def _overlapped_round(self, steps: Optional[int]) -> dict:
-        """``overlap``: fold in the round in flight (its z arrives, phases 5–10), then run this round's phases
-        1–4 and leave its inter-node exchange in flight while the next local steps run. Only the local steps
-        see stale values: ρ1 (the previous round's), and where θ restarts (z_i now, z − z_i added at the fold)."""
+        """``overlap``: fold in the round in flight if no step did (phases 5–10), then run this round's phases
+        1–4 and leave its inter-node exchange in flight while the next local steps run, from θ as sent; after
+        ``fold_after`` of them the fold rebases them on the consensus. Only those steps see stale values: the
+        point they start from and ρ1 (the previous round's)."""
         t0, before = time.perf_counter(), self.ledger.summary(by_op=False)
         wait = self._fold() if self._in_flight is not None else 0.0
         nonfinite = self._intra_sum()                 # 1. intra-node sum of θ + u and the float buffers

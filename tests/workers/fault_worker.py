@@ -57,13 +57,13 @@ def inject(fault: str, at_round: int, out: str) -> None:
     elif fault == "kill-in-flight":
         after_step = hsadmm.HSADMM.after_step
 
-        def step_then_fault(self):
-            after_step(self)
+        def fault_then_step(self):   # before after_step, which may fold the round in
             if self._in_flight is not None and self.round + 1 == at_round:
                 mark()
                 sys.stdout.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
-        hsadmm.HSADMM.after_step = step_then_fault
+            after_step(self)
+        hsadmm.HSADMM.after_step = fault_then_step
     elif fault == "nan":
         batches = data.ShardedLoader.batches
         state = {"step": 0}
