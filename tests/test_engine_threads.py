@@ -303,18 +303,27 @@ def test_node_sync_gives_a_missing_gradient_the_nodes_mean():
     assert all(g[i] is None for g in grads for i in (1, 3, 4, 5))   # biases, and the layer nobody used
 
 
+def chain_engines(**knobs):
+    """For a 2×2 thread cluster: a rank's model and a function making its engine under ``knobs``."""
+    models = [cases.make_model("chain", r) for r in range(4)]
+    structure = Structure.resolve(models[0], ConsensusConfig(sparsity="channel:0.5", **cases.SETTINGS))
+    native.module()
+
+    def engine(rank, **more):
+        config = ConsensusConfig(sparsity="channel:0.5", **dict(cases.SETTINGS, **dict(knobs, **more)))
+        return HSADMM(models[rank.topo.rank], rank.topo, rank.groups, config, structure, ledger=rank.ledger)
+    return models, engine
+
+
 def test_an_overlapped_round_refused_at_its_fold_leaves_the_previous_state():
     """overlap: NaN in one rank's θ when round 1 starts is only seen when round 1 is folded in (at round 2): every
     rank refuses it there, with the same error, and keeps the committed state of round 0 (masks included);
     nothing stays in flight."""
-    models = [cases.make_model("chain", r) for r in range(4)]
-    config = ConsensusConfig(sparsity="channel:0.5", overlap=True, **cases.SETTINGS)
-    structure = Structure.resolve(models[0], config)
-    native.module()
+    models, engine = chain_engines(overlap=True)
 
     def rank_run(rank):
         model = models[rank.topo.rank]
-        eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
+        eng = engine(rank)
         if rank.topo.rank == 3:
             with torch.no_grad():
                 next(model.parameters())[0].fill_(float("nan"))
@@ -394,18 +403,13 @@ def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round):
 def test_a_round_in_flight_is_refused_by_an_engine_without_overlap():
     """A checkpoint taken mid-flight holds a round whose fold an engine without overlap would not run: loading
     it there is a clear error, not a silent loss of the round."""
-    models = [cases.make_model("chain", r) for r in range(4)]
-    on = ConsensusConfig(sparsity="channel:0.5", overlap=True, **cases.SETTINGS)
-    off = ConsensusConfig(sparsity="channel:0.5", overlap=False, **cases.SETTINGS)
-    structure = Structure.resolve(models[0], on)
-    native.module()
+    _, engine = chain_engines()
 
     def rank_run(rank):
-        model = models[rank.topo.rank]
-        eng = HSADMM(model, rank.topo, rank.groups, on, structure, ledger=rank.ledger)
+        eng = engine(rank, overlap=True)
         eng.consensus_round(steps=0)
         saved = eng.state_dict()
-        plain = HSADMM(model, rank.topo, rank.groups, off, structure, ledger=rank.ledger)
+        plain = engine(rank)
         with pytest.raises(ValueError, match="holds a round in flight .* resume it with overlap=True"):
             plain.load_state_dict(saved)
         return True
