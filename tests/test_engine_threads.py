@@ -6,6 +6,7 @@ Every rank builds its engine on its own (rank 0's parameters are broadcast), tra
 snapshots its state before and after each round; the main thread then compares every rank's u, z_i, v, z, ρ,
 masks and BN buffers with ``reference.reference_round``, checks the model is the same everywhere after
 construction and after finalize(), and checks each rank's own ledger (tests/engine_cases.py)."""
+import copy
 import json
 
 import pytest
@@ -347,16 +348,19 @@ def test_an_overlapped_round_refused_at_its_fold_leaves_the_previous_state():
             assert torch.equal(rows, after["masks"][name][0]) and torch.equal(cols, after["masks"][name][1])
 
 
-@pytest.mark.parametrize("at_round", [1, 3])
-def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round):
-    """overlap: state_dict() with a round in flight completes its exchange (not its fold) and records it; an
-    engine loaded from it (a fresh cluster, fresh models given θ and the optimizer's state) ends bit for bit
-    where the run that took it ends, and where a run that took none ends (taking it changes nothing)."""
-    knobs = dict(payload_dtype="bf16", node_sync=True, keep_ramp_rounds=2)
+@pytest.mark.parametrize("at_round,at_step,fold", [(1, 0, None), (3, 0, None), (1, 1, 2)],
+                         ids=["round-1", "round-3", "round-1-one-step-into-the-flight"])
+def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round, at_step, fold):
+    """overlap: state_dict() with a round in flight completes its exchange (not its fold) and records it, with
+    the flight's steps so far (folded after ``fold`` of them); an engine loaded from it (a fresh cluster, fresh
+    models given θ and the optimizer's state) ends bit for bit where the run that took it ends, and where a
+    run that took none ends (taking it changes nothing)."""
+    knobs = dict(payload_dtype="bf16", node_sync=True, keep_ramp_rounds=2, overlap_steps=fold)
     config = ConsensusConfig(sparsity="channel:0.5", overlap=True, **dict(cases.SETTINGS, **knobs))
     native.module()
+    total, take_at = cases.ROUNDS * cases.LOCAL_STEPS, at_round * cases.LOCAL_STEPS + at_step
 
-    def job(save_at=None, saved=None):
+    def job(take=False, saved=None):
         models = [cases.make_model("chain", r) for r in range(4)]
         structure = Structure.resolve(models[0], config)
 
@@ -364,13 +368,11 @@ def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round):
             model = models[rank.topo.rank]
             eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
             opt = cases.sgd(model)
-            first = 0
             if saved is not None:
                 state = saved[rank.topo.rank]
                 model.load_state_dict(state["model"])
                 opt.load_state_dict(state["opt"])
                 eng.load_state_dict(state["engine"])
-                first = save_at
             x, y = cases.rank_batch(rank.topo.rank)
             snap = None
 
@@ -379,20 +381,20 @@ def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round):
                 eng.add_proximal_grad()
                 opt.step()
                 eng.after_step()
-            for rnd in range(first, cases.ROUNDS):
-                cases.local_steps(model, step, x, y)
-                eng.consensus_round(steps=(rnd + 1) * cases.LOCAL_STEPS)
-                if rnd + 1 == save_at and saved is None:
-                    import copy
+            for t in range(take_at if saved is not None else 0, total):
+                if take and t == take_at:
                     snap = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
                             "engine": eng.state_dict()}
-                    assert snap["engine"]["in_flight"] is not None
+                    assert snap["engine"]["in_flight"]["steps_since"] == at_step
+                cases.local_steps(model, step, x, y, 1)
+                if (t + 1) % cases.LOCAL_STEPS == 0:
+                    eng.consensus_round(steps=t + 1)
             eng.finalize()
-            return cases.model_state(model), {k: v for k, v in eng.bytes.items()}, snap
+            return cases.model_state(model), dict(eng.bytes), snap
         return run_ranks(2, 2, rank_run)
     plain = job()
-    took = job(save_at=at_round)
-    resumed = job(save_at=at_round, saved=[t[2] for t in took])
+    took = job(take=True)
+    resumed = job(saved=[t[2] for t in took])
     for r in range(4):
         for k in plain[r][0]:
             assert torch.equal(plain[r][0][k], took[r][0][k]), f"taking state_dict changed rank {r}'s {k}"
