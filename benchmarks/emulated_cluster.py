@@ -651,8 +651,9 @@ def main(argv=None) -> int:
         summary.update(rival_speedups(rows))
         overlapped = {m for m in rows if "--overlap" in (args.train_args + " " + args.method_args.get(
             m, args.method_args.get(parse_method(m)[0], ""))).split()}
-        if overlap_pairs(rows, overlapped):
-            summary["overlap_vs_blocking"] = overlap_pairs(rows, overlapped)
+        pairs = overlap_pairs(rows, overlapped)
+        if pairs:
+            summary["overlap_vs_blocking"] = pairs
         doc["summary"][bw] = summary
     text = json.dumps(doc, indent=2)
     with open(os.path.join(args.out, "emulated_cluster.json"), "w") as f:

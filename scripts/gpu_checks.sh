@@ -4,17 +4,8 @@
 #   bash scripts/gpu_checks.sh OUTDIR
 # Writes OUTDIR/gpu_tests.log, OUTDIR/shrink_cuda.json and OUTDIR/shrink_cpu_2threads.json (the CPU figures
 # pinned to 2 cores, the size of the CI machine, on a quiet host).
-set -uo pipefail
-out="${1:?usage: gpu_checks.sh OUTDIR}"
-mkdir -p "$out"
-here="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$here"
-export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_host.sh"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-PY="${PYTHON:-python3}"
-
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
 command -v mpirun >/dev/null && mpirun --version | head -1 || echo "no mpirun here: the launch tests skip"
 
 rc=0

@@ -5,15 +5,7 @@
 # tests/test_engine_launch.py): what an overlapped round costs and hides on a GPU, not a slow link's figures.
 #   bash scripts/gpu_overlap.sh OUTDIR        (SKIP_TESTS=1: the timing alone)
 # Writes OUTDIR/overlap_tests.log and OUTDIR/overlap_timing.json (the runs' summaries and per-round waits).
-set -uo pipefail
-out="${1:?usage: gpu_overlap.sh OUTDIR}"
-mkdir -p "$out"
-here="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$here"
-export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-PY="${PYTHON:-python3}"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
+source "$(dirname "$0")/gpu_host.sh"
 
 rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then

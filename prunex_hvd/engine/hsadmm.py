@@ -295,28 +295,39 @@ class HSADMM:
     def _round(self, steps: Optional[int]) -> dict:
         """Algorithm 1 as its phases (numbered as in the module docstring and docs/algorithm.md)."""
         t0, before = time.perf_counter(), self.ledger.summary(by_op=False)
+        nonfinite, z_i_new, masks_before, layout = self._start()   # 1–4 up to the exchange
+        t_wire = time.perf_counter()
+        with self.ledger.tagged("consensus"):         # 4. compact exchange among leaders, broadcast to the node
+            for buf in layout.buffers:
+                self.groups.leaders_then_node_(buf, "avg", self.topo.num_nodes)
+        wait = time.perf_counter() - t_wire
+        self._settle(z_i_new, layout, nonfinite, steps, self._theta_sq(z_i_new), masks_before)   # 5–9
+        self._restart()                               # 10. θ starts the next local steps at the consensus
+        return self._report(before, time.perf_counter() - t0, layout.total_numel, wait)
+
+    def _start(self) -> tuple:
+        """Phases 1–4 up to the exchange: (this rank's inf/NaN flags, the new z_i, the masks to put back if the
+        round is refused, the compact buckets filled)."""
         nonfinite = self._intra_sum()                 # 1. intra-node sum of θ + u and the float buffers
         z_i_new = self._node_candidates()             # 2. node candidate z̃_i
         masks_before = self._mask_state()             #    (put back if the round is refused at 6)
         self._project(z_i_new)                        # 3. projection Π_S and the leaders' mask OR
-        layout = self._fill_compact(z_i_new)          # 4. compact exchange among leaders, broadcast to the node
-        t_wire = time.perf_counter()
-        with self.ledger.tagged("consensus"):
-            for buf in layout.buffers:
-                self.groups.leaders_then_node_(buf, "avg", self.topo.num_nodes)
-        wait = time.perf_counter() - t_wire
+        return nonfinite, z_i_new, masks_before, self._fill_compact(z_i_new)   # 4. the compact payload
+
+    def _settle(self, z_i_new, layout, nonfinite, steps, theta_sq, masks_before, du=None,
+                own_buffers: bool = False) -> None:
+        """Phases 5–9 once the exchange has arrived in ``layout`` (``du``, ``own_buffers``: see
+        :meth:`_update_duals`); a refused round puts the masks back and raises."""
         z_new = self._recover(layout)                 # 5. recovery of z
         try:                                          # 6. verdict, from the job-wide residual sum
-            totals, s_inter_sq = self._verdict(z_i_new, z_new, nonfinite, steps, self._theta_sq(z_i_new))
+            totals, s_inter_sq = self._verdict(z_i_new, z_new, nonfinite, steps, theta_sq)
         except BaseException:
             self._restore_mask_state(masks_before)
             raise
-        self._update_duals(z_i_new, z_new, layout)    # 7. duals (and the averaged float buffers)
+        self._update_duals(z_i_new, z_new, layout, du=du, own_buffers=own_buffers)   # 7. duals, float buffers
         self._adapt_rho(totals, s_inter_sq)           # 8. residuals and adaptive ρ
         self.round += 1
         self._maybe_freeze()                          # 9. freezing
-        self._restart()                               # 10. θ starts the next local steps at the consensus
-        return self._report(before, time.perf_counter() - t0, layout.total_numel, wait)
 
     # -- the overlapped round (docs/algorithm.md, "Overlapped rounds") ------------------------------------
     def _overlapped_round(self, steps: Optional[int]) -> dict:
@@ -326,13 +337,9 @@ class HSADMM:
         point they start from and ρ1 (the previous round's)."""
         t0, before = time.perf_counter(), self.ledger.summary(by_op=False)
         wait = self._fold() if self._in_flight is not None else 0.0
-        nonfinite = self._intra_sum()                 # 1. intra-node sum of θ + u and the float buffers
-        z_i_new = self._node_candidates()             # 2. node candidate z̃_i
-        masks_before = self._mask_state()
-        self._project(z_i_new)                        # 3. projection Π_S and the leaders' mask OR (blocking, small)
+        nonfinite, z_i_new, masks_before, layout = self._start()   # 1–4 (the mask OR blocks; it is small)
         du = [self._relaxed_theta(e).sub(z) for e, z in zip(self.entries, z_i_new)]   # u's step, θ as sent
-        layout = self._fill_compact(z_i_new)          # 4. the compact exchange starts; the node goes on stepping
-        with self.ledger.tagged("consensus"):
+        with self.ledger.tagged("consensus"):         # 4. the exchange starts; the node goes on stepping
             works = [self.groups.inter.allreduce_async_(buf, "avg") for buf in layout.buffers] \
                 if self.groups.inter is not None else []
         self._in_flight = _InFlight(steps=steps, nonfinite=nonfinite, z_i=z_i_new, du=du,
@@ -365,20 +372,13 @@ class HSADMM:
         z_i − θ_sent with ``"node"``): the restart, with the steps taken since kept on top."""
         f = self._in_flight
         wait = self._receive()
-        z_new = self._recover(f.layout)               # 5. recovery of z
-        try:                                          # 6. verdict
-            totals, s_inter_sq = self._verdict(f.z_i, z_new, f.nonfinite, f.steps, f.theta_sq)
-        except BaseException:
-            self._in_flight = None   # the committed state is the previous round's
-            self._restore_mask_state(f.masks_before)
+        self._in_flight, self._pending_ef = None, f.pending_ef
+        try:                                          # 5–9 (a rank's own buffers follow its steps)
+            self._settle(f.z_i, f.layout, f.nonfinite, f.steps, f.theta_sq, f.masks_before, du=f.du,
+                         own_buffers=True)
+        except BaseException:   # refused: the committed state is the previous round's, so is the prox cache
             self._refresh_prox()
             raise
-        self._in_flight = None
-        self._pending_ef = f.pending_ef
-        self._update_duals(f.z_i, z_new, f.layout, du=f.du, own_buffers=True)   # 7. duals, consensus buffers
-        self._adapt_rho(totals, s_inter_sq)           # 8. residuals and adaptive ρ (refreshes the prox cache)
-        self.round += 1
-        self._maybe_freeze()                          # 9. freezing
         if f.theta_sent is not None:                  # 10. restart, late: θ += z − θ_sent (node: z_i − θ_sent)
             with torch.no_grad():
                 for e, sent in zip(self.entries, f.theta_sent):

@@ -34,16 +34,11 @@ class TorchDistCommunicator(Communicator):
         self.pg = pg
 
     def _allreduce(self, tensor, op):
-        if op == "avg" and self.reduce_avg_natively:
-            dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=self.pg)
-            return
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.pg)
-        if op == "avg":
-            tensor.div_(self.size)
+        self._allreduce_async(tensor, op)()
 
     def _allreduce_async(self, tensor, op):
         """torch.distributed's own async op: Gloo works in its threads, NCCL on its stream (``wait()`` then
-        orders the caller's stream after it)."""
+        orders the caller's stream after it, as a blocking call does). The blocking allreduce waits at once."""
         native_avg = op == "avg" and self.reduce_avg_natively
         reduce_op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
         work = dist.all_reduce(tensor, op=reduce_op, group=self.pg, async_op=True)

@@ -55,11 +55,7 @@ class Communicator:
     # -- public, accounted -------------------------------------------------------------------------
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place allreduce; ``op`` is ``"sum"``, ``"avg"`` or ``"max"``. Returns ``tensor``."""
-        if op not in REDUCE_OPS:
-            raise ValueError(f"allreduce op must be one of {REDUCE_OPS}, got {op!r}")
-        self._check(tensor, "allreduce_")
-        if not tensor.is_floating_point() and op == "avg":
-            raise ValueError(f"allreduce op 'avg' needs a floating tensor, got {tensor.dtype}")
+        self._check_allreduce(tensor, op, "allreduce_")
         self._reduce("allreduce", self._allreduce, tensor, op)
         return tensor
 
@@ -69,11 +65,7 @@ class Communicator:
         in the same order; blocking collectives on *other* groups may run meanwhile (the overlapped round's
         leaders exchange across nodes while their node steps). Accounted when waited on: ``seconds`` is the
         time ``wait()`` blocked, the exposed part of the transfer."""
-        if op not in REDUCE_OPS:
-            raise ValueError(f"allreduce op must be one of {REDUCE_OPS}, got {op!r}")
-        self._check(tensor, "allreduce_async_")
-        if not tensor.is_floating_point() and op == "avg":
-            raise ValueError(f"allreduce op 'avg' needs a floating tensor, got {tensor.dtype}")
+        self._check_allreduce(tensor, op, "allreduce_async_")
         wire = self.wire_dtype(tensor.dtype)
         carried = tensor if wire == tensor.dtype else tensor.to(wire)
         finish = self._allreduce_async(carried, op)
@@ -183,6 +175,13 @@ class Communicator:
                 wide = tensor.to(wire)
                 impl(wide, *args)
                 tensor.copy_(wide)
+
+    def _check_allreduce(self, tensor, op, what):
+        if op not in REDUCE_OPS:
+            raise ValueError(f"allreduce op must be one of {REDUCE_OPS}, got {op!r}")
+        self._check(tensor, what)
+        if not tensor.is_floating_point() and op == "avg":
+            raise ValueError(f"allreduce op 'avg' needs a floating tensor, got {tensor.dtype}")
 
     def _check(self, tensor, what):
         if not isinstance(tensor, torch.Tensor):

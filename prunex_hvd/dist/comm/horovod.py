@@ -49,8 +49,11 @@ class HorovodCommunicator(Communicator):
         self._maybe_stage(HorovodCommunicator._allreduce_impl, tensor, op)
 
     def _allreduce_impl(self, tensor, op):
-        self.hvd.allreduce_(tensor, op={"avg": self.hvd.Average, "max": self.hvd.Max}.get(op, self.hvd.Sum),
-                            name=self._name("allreduce", tensor), process_set=self.process_set)
+        self.hvd.allreduce_(tensor, op=self._op(op), name=self._name("allreduce", tensor),
+                            process_set=self.process_set)
+
+    def _op(self, op):
+        return {"avg": self.hvd.Average, "max": self.hvd.Max}.get(op, self.hvd.Sum)
 
     def _allreduce_async(self, tensor, op):
         """Horovod's own async allreduce, progressed by its background thread."""
@@ -59,8 +62,7 @@ class HorovodCommunicator(Communicator):
         # names must differ among the ops in flight (a round's buckets may share a shape); numbered by how many
         # are in flight, they repeat round after round and keep Horovod's response cache warm
         name = self._name(f"allreduce-async{self._outstanding}", tensor)
-        handle = self.hvd.allreduce_async_(tensor, op={"avg": self.hvd.Average, "max": self.hvd.Max}.get(
-            op, self.hvd.Sum), name=name, process_set=self.process_set)
+        handle = self.hvd.allreduce_async_(tensor, op=self._op(op), name=name, process_set=self.process_set)
         self._outstanding += 1
 
         def finish():
