@@ -189,8 +189,9 @@ class Watchdog:
         self._stopped = threading.Event()
         self._fired = False
         self._fire_lock = threading.Lock()
+        self.answer_timeout = max(1.0, 2 * self.interval)   # how long a heartbeat waits for the hub's answer
         self.sock = socket.create_connection(address, timeout=5)
-        self.sock.settimeout(max(1.0, 2 * self.interval))
+        self.sock.settimeout(self.answer_timeout)
         self.thread = threading.Thread(target=self._loop, name="prunex-watchdog", daemon=True)
         self.thread.start()
 
@@ -278,6 +279,7 @@ class Watchdog:
             if self._fired:
                 return
             self._fired = True
+        tell = False
         if not relayed:
             answer = None if self.hub_silent else self._ask("query")   # every rank's state, as the hub has it
             if answer is not None and answer.get("stop") and answer["stop"]["rank"] != self.rank:
@@ -285,15 +287,29 @@ class Watchdog:
                 why = f"stopping with rank {s['rank']}, which reports: {s['why']}"
             else:
                 why = f"{why}; {self._missing(answer)}"
-                self._ask("stop", why=why)
+                tell = True
         sys.stderr.write(f"[rank {self.rank}] prunex_hvd watchdog: {why}. Exiting with code {EXIT_CODE}; "
                          f"resume from the last checkpoint (--resume)\n")
         sys.stderr.flush()
         sys.stdout.flush()
-        # Linger so every rank hears of it from the hub and says so itself: a launcher like mpirun ends the whole
-        # job as soon as the first of us exits, so a rank that left at once could silence the others.
-        time.sleep(2 * self.interval + 0.5)
+        said = time.monotonic()
+        if tell:   # after saying it: a silent hub holds this for the answer timeout
+            self._ask("stop", why=why)
+        # Linger so every rank says so itself: a launcher like mpirun ends the whole job as soon as the first of
+        # us exits, so a rank that left at once could silence the others.
+        time.sleep(max(0.0, said + self._linger() - time.monotonic()))
         os._exit(EXIT_CODE)
+
+    def _linger(self) -> float:
+        """Seconds from saying why to leaving. The hub tells every rank of the stop at its next heartbeat: two
+        intervals and a half. A silent hub (rank 0 stopped or hung) tells nobody: each rank times out on its
+        own clock, which it reads once a heartbeat, and a heartbeat to a silent hub also waits out the answer
+        timeout. Ranks with the same deadline whose heartbeats are out of phase can read it on either side
+        of it, so one fires up to a heartbeat (``interval + answer_timeout``) after another: linger that too."""
+        grace = 2 * self.interval + 0.5
+        if self.hub_silent:
+            grace += self.interval + self.answer_timeout
+        return grace
 
     def _missing(self, answer: Optional[dict]) -> str:
         if answer is None or "table" not in answer:
