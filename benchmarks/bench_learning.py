@@ -99,9 +99,15 @@ VARIANTS: Dict[str, str] = {
     "prunex": "--method prunex --sparsity channel:0.5",
     "prunex-bf16": "--method prunex --sparsity channel:0.5 --payload-dtype bf16",
     "prunex-fp16": "--method prunex --sparsity channel:0.5 --payload-dtype fp16",
-    "prunex-overlap": "--method prunex --sparsity channel:0.5 --overlap",   # the recipe, rounds overlapped
+    "prunex-overlap": "--method prunex --sparsity channel:0.5 --overlap",   # the recipe, overlapped once frozen
     **{f"prunex-overlap-s{k}": f"--method prunex --sparsity channel:0.5 --overlap --overlap-steps {k}"
        for k in (1, 2, 4)},
+    # every round overlapped, from the first (before overlap_after_freeze, what prunex-overlap* meant)
+    "prunex-overlap-every": "--method prunex --sparsity channel:0.5 --overlap --no-overlap-after-freeze",
+    **{f"prunex-overlap-every-s{k}": f"--method prunex --sparsity channel:0.5 --overlap --overlap-steps {k} "
+                                     "--no-overlap-after-freeze" for k in (1, 2, 4)},
+    "prunex-dense-overlap-every-s4": "--method prunex --sparsity dense --overlap --overlap-steps 4 "
+                                     "--no-overlap-after-freeze",
     "prunex-dense": "--method prunex --sparsity dense",
 }
 

@@ -17,7 +17,7 @@ export PRUNEX_RANKS_PER_NODE=2 NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1 NCCL_SHM_
 bin="$(dirname "$(command -v "$PY")")"
 runs=()
 for mode in blocking overlap; do
-    flag=$([ "$mode" = overlap ] && echo --overlap || echo --no-overlap)
+    flag=$([ "$mode" = overlap ] && echo "--overlap --no-overlap-after-freeze" || echo --no-overlap)
     rm -rf "$out/run-$mode"
     "$bin/torchrun" --standalone --no-python --nproc_per_node=4 \
         bash -c 'NCCL_HOSTID=prunex-rank$RANK exec "$@"' fake-host \

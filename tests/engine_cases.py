@@ -222,11 +222,30 @@ def overlapped_rounds(eng, model, step, x, y, consensus, rounds=ROUNDS, steps=LO
         rec["reports"].append(consensus())
         if pending:
             rec["before"].append(rec["after"][-1])
+        elif eng._in_flight is None:   # a blocking round (overlap_after_freeze, before the masks freeze)
+            rec["after"].append(snapshot(eng))
+            rec["pre_fold"].append(None)
+            rec["fold_step"].append(None)
         rec["launched"].append({"theta": theta_of(model), "prox": prox_gradient(eng), "in_flight": eng._in_flight is not None})
     count["steps"] = 0   # the last round is folded in by complete(), with no steps after it
     eng.complete()
     eng._fold = fold
     return rec
+
+
+def check_overlapped_rounds(recs, node_ranks, eng, rounds=ROUNDS):
+    """Every round of :func:`overlapped_rounds`' records: an overlapped one against the delayed math, a blocking
+    one (``overlap_after_freeze``, before the masks freeze) against the blocking round's. Returns the summaries."""
+    out = []
+    for rnd in range(rounds):
+        overlapped = len(node_ranks) > 1 and (recs[0]["before"][rnd]["frozen"] or not eng.config.overlap_after_freeze)
+        assert all(rec["launched"][rnd]["in_flight"] == overlapped for rec in recs), (rnd, overlapped)
+        if overlapped or len(node_ranks) == 1:
+            out.append(check_overlapped_round(rnd, recs, node_ranks, eng))
+        else:
+            out.append(check_round(rnd, [rec["before"][rnd] for rec in recs], [rec["after"][rnd] for rec in recs],
+                                   node_ranks, eng))
+    return out
 
 
 def check_overlapped_round(rnd, recs, node_ranks, eng):

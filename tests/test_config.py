@@ -32,6 +32,7 @@ KNOBS = ConsensusConfig.knob_names()
     ({"overlap": 1}, r"overlap must be True or False, got 1"),
     ({"overlap": True, "hierarchical": False}, r"overlap=True overlaps the hierarchical consensus"),
     ({"overlap": True, "overlap_steps": 0}, r"overlap_steps must be None or an integer >= 1, got 0"),
+    ({"overlap_after_freeze": "yes"}, r"overlap_after_freeze must be True or False, got 'yes'"),
     ({"overlap_steps": 3}, r"overlap_steps is when an overlapped round is folded in: it needs overlap=True"),
 ])
 def test_a_bad_knob_is_refused_when_the_config_is_made(knobs, message):
@@ -77,7 +78,7 @@ def test_ranks_compare_every_knob():
                "masked_retrain": False, "coupled": True, "bucket_mb": 1.0, "backend": "gloo",
                "hierarchical": False, "restart": "node", "relaxation": 1.5, "rho_growth": 1.3,
                "keep_ramp_rounds": 4, "node_sync": True, "payload_dtype": "bf16", "overlap": True,
-               "overlap_steps": 2}
+               "overlap_steps": 2, "overlap_after_freeze": False}
     assert set(changed) == set(KNOBS)
     needs = {"overlap_steps": {"overlap": True}}   # a knob that only means something with another
     for name, value in changed.items():
@@ -92,7 +93,7 @@ def test_ranks_compare_every_knob():
                           freeze_patience="freezing", masked_retrain="freezing", restart="round",
                           relaxation="round", rho_growth="rho", keep_ramp_rounds="freezing",
                           node_sync="round", payload_dtype="round", overlap="round",
-                          overlap_steps="round").get(name, name)}), name
+                          overlap_steps="round", overlap_after_freeze="round").get(name, name)}), name
         agreed = base.agreement(Structure.resolve(model, base))
 
 

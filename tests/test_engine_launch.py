@@ -57,12 +57,14 @@ def test_engine_mpirun_half_payload(tmp_path, payload):
 
 
 @needs_mpirun
-@pytest.mark.parametrize("backend,fold", [("mpi", []), ("gloo", ["--overlap-steps", "2"])], ids=["mpi", "gloo-2-steps"])
+@pytest.mark.parametrize("backend,fold", [("mpi", []), ("gloo", ["--overlap-steps", "2"]),
+                                          ("mpi", ["--overlap-steps", "1", "--overlap-after-freeze"])],
+                         ids=["mpi", "gloo-2-steps", "mpi-after-freeze"])
 def test_engine_mpirun_overlapped(tmp_path, backend, fold):
     """overlap=True under mpirun: the leaders' exchange runs on MPI's comm thread (mpi) or Gloo's own async op
     while the ranks step, with node_sync's per-step allreduces on the node group meanwhile; every round, once
     folded in (at the next round; with Gloo after 2 of its steps), matches the reference, and the flight's
-    steps the delayed math (the worker checks)."""
+    steps the delayed math (the worker checks); after freezing only, the rounds before block."""
     proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", backend, "--overlap", *fold, "--node-sync",
                                     "--payload-dtype", "bf16", "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
     check(proc, tmp_path, CHANNEL, payload_bytes=2)

@@ -111,7 +111,9 @@ def train_overlapped_on_threads(num_nodes, local_size, kind, sparsity, coupled, 
     """``overlap=True`` on the thread cluster: every rank's :func:`engine_cases.overlapped_rounds` record."""
     size = num_nodes * local_size
     models = [cases.make_model(kind, r) for r in range(size)]
-    config = ConsensusConfig(sparsity=sparsity, coupled=coupled, overlap=True, **dict(cases.SETTINGS, **knobs))
+    config = ConsensusConfig(sparsity=sparsity, coupled=coupled, overlap=True,
+                             **dict(cases.SETTINGS, **dict(dict(overlap_after_freeze=False), **knobs)))   # default:
+                                                                                            # every round
     structure = Structure.resolve(models[0], config)
     native.module()
     cluster = thread_cluster(num_nodes, local_size, keep_records=True)
@@ -146,7 +148,10 @@ OVERLAP_RUNS = {"2x2-channel": ((2, 2), "channel", {}),
                 # folded in after the first of the next round's steps (freezing mid-round included)
                 "2x2-fold-after-1-step": ((2, 2), "channel", dict(overlap_steps=1)),
                 "2x3-recipe-fold-after-2-steps": ((2, 3), "mixed", dict(node_sync=True, keep_ramp_rounds=2,
-                                                                         payload_dtype="bf16", overlap_steps=2))}
+                                                                         payload_dtype="bf16", overlap_steps=2)),
+                # the default: rounds 1-3 blocking, round 4 (masks frozen at round 3) overlapped
+                "2x2-recipe-after-freeze": ((2, 2), "channel", dict(node_sync=True, payload_dtype="bf16",
+                                                                     overlap_after_freeze=True, overlap_steps=1))}
 
 
 @pytest.mark.parametrize("run", list(OVERLAP_RUNS))
@@ -158,13 +163,16 @@ def test_overlapped_rounds_match_the_delayed_reference(run):
     kind, sparsity, coupled, want_specs, want_pairs, want_streams = CASES[case]
     cluster, runs, _ = train_overlapped_on_threads(num_nodes, local_size, kind, sparsity, coupled, **knobs)
     node_ranks, eng = cluster[0].topo.node_ranks, runs[0]["engine"]
-    ref_rounds = [cases.check_overlapped_round(rnd, runs, node_ranks, eng) for rnd in range(cases.ROUNDS)]
+    ref_rounds = cases.check_overlapped_rounds(runs, node_ranks, eng)
     cases.assert_same_everywhere([run["final"] for run in runs], "after finalize")
     results = [run["result"] for run in runs]
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
     cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
                         payload_bytes=eng.payload_dtype.itemsize)
-    assert [r["in_flight"] for r in runs[0]["reports"]] == [True] * cases.ROUNDS
+    overlapped = [True] * cases.ROUNDS if not knobs.get("overlap_after_freeze") else \
+        [r["frozen_before"] for r in ref_rounds]   # freeze_round=3: round 4 only
+    assert [r["in_flight"] for r in runs[0]["reports"]] == overlapped
+    assert overlapped.count(True) >= 1
 
 
 def test_overlap_with_one_node_is_the_blocking_round():
@@ -320,7 +328,7 @@ def test_an_overlapped_round_refused_at_its_fold_leaves_the_previous_state():
     """overlap: NaN in one rank's θ when round 1 starts is only seen when round 1 is folded in (at round 2): every
     rank refuses it there, with the same error, and keeps the committed state of round 0 (masks included);
     nothing stays in flight."""
-    models, engine = chain_engines(overlap=True)
+    models, engine = chain_engines(overlap=True, overlap_after_freeze=False)
 
     def rank_run(rank):
         model = models[rank.topo.rank]
@@ -356,7 +364,8 @@ def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round, at_step,
     models given θ and the optimizer's state) ends bit for bit where the run that took it ends, and where a
     run that took none ends (taking it changes nothing)."""
     knobs = dict(payload_dtype="bf16", node_sync=True, keep_ramp_rounds=2, overlap_steps=fold)
-    config = ConsensusConfig(sparsity="channel:0.5", overlap=True, **dict(cases.SETTINGS, **knobs))
+    config = ConsensusConfig(sparsity="channel:0.5", overlap=True, overlap_after_freeze=False,
+                             **dict(cases.SETTINGS, **knobs))
     native.module()
     total, take_at = cases.ROUNDS * cases.LOCAL_STEPS, at_round * cases.LOCAL_STEPS + at_step
 
@@ -408,7 +417,7 @@ def test_a_round_in_flight_is_refused_by_an_engine_without_overlap():
     _, engine = chain_engines()
 
     def rank_run(rank):
-        eng = engine(rank, overlap=True)
+        eng = engine(rank, overlap=True, overlap_after_freeze=False)
         eng.consensus_round(steps=0)
         saved = eng.state_dict()
         plain = engine(rank)

@@ -81,13 +81,16 @@ def test_resume_equals_uninterrupted(full_run, tmp_path):
     assert_same_run(ref, out)
 
 
-@pytest.mark.parametrize("fold", [None, "7"], ids=["fold-after-a-quarter", "fold-at-the-next-round"])
-def test_overlapped_resume_equals_uninterrupted(tmp_path, fold):
+@pytest.mark.parametrize("fold,when", [(None, "--no-overlap-after-freeze"), ("7", "--no-overlap-after-freeze"),
+                                       ("7", "--overlap-after-freeze")],
+                         ids=["fold-after-a-quarter", "fold-at-the-next-round", "after-freeze-fold-at-the-next-round"])
+def test_overlapped_resume_equals_uninterrupted(tmp_path, fold, when):
     """overlap: the sliced run, checkpointed every round and stopped after round 4, ends bit for bit where an
     uninterrupted run without checkpoints ends: checkpoints do not change an overlapped run. Folded at the next
     round (7 steps a round), each checkpoint is taken with a round in flight and records it (its exchange
-    completed, not folded in); folded after a quarter round, a checkpoint comes at the fold."""
-    flags = ["--overlap"] + (["--overlap-steps", fold] if fold else [])
+    completed, not folded in); folded after a quarter round, a checkpoint comes at the fold. After freezing
+    (round 3 here), rounds 1-3 block and round 4 is in flight when the run stops."""
+    flags = ["--overlap", when] + (["--overlap-steps", fold] if fold else [])
     ref = tmp_path / "ref"
     assert train(ref, *flags, "--checkpoint-every", "0").returncode == 0
     out = tmp_path / "sliced"
@@ -95,7 +98,7 @@ def test_overlapped_resume_equals_uninterrupted(tmp_path, fold):
     assert first.returncode == 0 and "stopped after round 4" in first.stdout, first.stdout[-4000:]
     tag = json.loads((out / "checkpoint.json").read_text())["tag"]
     state = torch.load(out / "ckpt" / f"tag{tag:08d}.rank00000.pt", weights_only=False)
-    assert ("in_flight" in state["state"]["optimizer"]["prunex"]) == (fold is not None)
+    assert ("in_flight" in state["state"]["optimizer"]["prunex"]) == (fold is not None)   # round 4 is overlapped
     again = train(out, *flags, "--checkpoint-every", "1", "--resume")
     assert again.returncode == 0, again.stdout[-4000:]
     assert_same_run(ref, out)

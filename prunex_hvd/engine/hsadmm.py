@@ -288,9 +288,16 @@ class HSADMM:
             raise RuntimeError("consensus round after finalize(): finalize() ends training (the model now holds "
                                "the consensus z); to evaluate the consensus mid-run use consensus_weights()")
         with watchdog.waiting(f"consensus round {self.round + 1}", world=True):
-            if self.overlap:
+            if self.overlapping:
                 return self._overlapped_round(steps)
             return self._round(steps)
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether rounds are overlapped now: with ``overlap``, from the first round, or once the masks are frozen
+        (``overlap_after_freeze``: before, each node's θ is far from the consensus and steps taken from it are
+        worth little once rebased onto z; docs/algorithm.md, "Overlapped rounds")."""
+        return self.overlap and (self.frozen or not self.config.overlap_after_freeze)
 
     def _round(self, steps: Optional[int]) -> dict:
         """Algorithm 1 as its phases (numbered as in the module docstring and docs/algorithm.md)."""

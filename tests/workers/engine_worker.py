@@ -35,6 +35,8 @@ def main():
     ap.add_argument("--overlap", action="store_true",
                     help="overlapped rounds: checked against the delayed math (engine_cases.check_overlapped_round)")
     ap.add_argument("--overlap-steps", type=int, default=None, help="with --overlap: fold after this many steps")
+    ap.add_argument("--overlap-after-freeze", action="store_true",
+                    help="with --overlap: blocking rounds until the masks freeze (default here: every round)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
@@ -48,6 +50,7 @@ def main():
     opt = px.DistributedOptimizer(cases.sgd(model), model, sparsity=spec, local_steps=10**6, backend=a.backend,
                                   coupled=a.coupled, node_sync=a.node_sync, payload_dtype=a.payload_dtype,
                                   overlap=a.overlap, overlap_steps=a.overlap_steps,
+                                  overlap_after_freeze=a.overlap_after_freeze,
                                   **dict(cases.SETTINGS, freeze_round=a.freeze_round))
     eng = opt._engine
     cases.assert_same_everywhere(control.allgather_object(cases.model_state(model)), "after construction")
@@ -59,7 +62,7 @@ def main():
         reports = rec.pop("reports")
         recs = control.allgather_object(rec)
         if topo.rank == 0:
-            ref_rounds = [cases.check_overlapped_round(rnd, recs, topo.node_ranks, eng) for rnd in range(a.rounds)]
+            ref_rounds = cases.check_overlapped_rounds(recs, topo.node_ranks, eng, a.rounds)
             checks = len(recs) * a.rounds
     for rnd in range(0 if a.overlap else a.rounds):
         cases.local_steps(model, opt.step, x, y, a.local_steps)
