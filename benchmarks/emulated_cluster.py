@@ -342,7 +342,7 @@ def read_metrics(out_dir: str, target: float) -> Dict[str, object]:
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return res
-    last = None
+    last = last_round = at_freeze = None
     with open(path) as f:
         for line in f:
             try:
@@ -350,6 +350,10 @@ def read_metrics(out_dir: str, target: float) -> Dict[str, object]:
             except ValueError:
                 continue
             last = rec
+            if rec.get("event") == "round" and rec.get("exchange_wait_s") is not None:
+                last_round = rec
+                if at_freeze is None and rec.get("frozen"):
+                    at_freeze = rec   # the round that froze the masks: the rounds after it may be overlapped
             if rec.get("event") == "round" and res["time_to_target_s"] is None \
                     and rec.get("test_acc") is not None and rec["test_acc"] >= target:
                 res.update(time_to_target_s=round(rec["wall_s"], 2), round_at_target=rec["round"],
@@ -357,6 +361,10 @@ def read_metrics(out_dir: str, target: float) -> Dict[str, object]:
     if last is not None:
         res.update(library_inter_bytes=last.get("inter_bytes"), train_wall_s=round(last["wall_s"], 2),
                    final_test_acc=last.get("test_acc"), rounds=last.get("round"))
+        if at_freeze is not None and last_round["round"] > at_freeze["round"]:   # rank 0's wait a round after it
+            res["frozen_exchange_wait_per_round_s"] = round(
+                (last_round["exchange_wait_s"] - at_freeze["exchange_wait_s"])
+                / (last_round["round"] - at_freeze["round"]), 4)
     try:
         with open(os.path.join(out_dir, "summary.json")) as f:
             s = json.load(f)
@@ -471,7 +479,8 @@ def rival_speedups(rows: Dict[str, dict]) -> Dict[str, object]:
 def overlap_pairs(rows: Dict[str, dict], overlapped) -> Dict[str, object]:
     """Each overlapped job (in ``overlapped``: its arguments hold ``--overlap``) against its blocking twin, the
     same name without ``-overlap`` / ``+overlap``, else its method's plain job: exposed exchange time per round
-    (rank 0, a leader, waiting on the inter-node exchange), time to target and training wall, as ratios."""
+    (rank 0, a leader, waiting on the inter-node exchange), time to target and training wall, as ratios; and the
+    wait per round after the masks froze alone (what ``overlap_after_freeze`` overlaps), where both have one."""
     out = {}
     for m, r in rows.items():
         if m not in overlapped:
@@ -484,6 +493,8 @@ def overlap_pairs(rows: Dict[str, dict], overlapped) -> Dict[str, object]:
         ratio = lambda key: round(r[key] / twin[key], 4) if r.get(key) and twin.get(key) else None  # noqa: E731
         out[m] = {"blocking": name, "exposed_wait_ratio": ratio("exchange_wait_s"),
                   "time_to_target_ratio": ratio("time_to_target_s"), "train_wall_ratio": ratio("train_wall_s")}
+        if r.get("frozen_exchange_wait_per_round_s") is not None:   # overlapped once frozen: those rounds alone
+            out[m]["frozen_exposed_wait_ratio"] = ratio("frozen_exchange_wait_per_round_s")
     return out
 
 

@@ -1,6 +1,7 @@
 """The benchmark scripts' own bookkeeping (no launches, no namespaces): how the emulated cluster names its jobs
 and which rival PruneX is measured against."""
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,25 @@ def test_overlapped_jobs_against_their_blocking_twins(cluster):
                    "prunex+fp32-overlap": {"blocking": "prunex+fp32", "exposed_wait_ratio": 0.01,
                                            "time_to_target_ratio": None, "train_wall_ratio": 0.55}}
     assert cluster.overlap_pairs(rows, set()) == {}
+    rows["prunex"]["frozen_exchange_wait_per_round_s"] = 1.3   # overlapped once frozen: those rounds compared
+    rows["prunex+ov2"]["frozen_exchange_wait_per_round_s"] = 0.013
+    assert cluster.overlap_pairs(rows, {"prunex+ov2"})["prunex+ov2"]["frozen_exposed_wait_ratio"] == 0.01
+
+
+def test_the_wait_after_the_freeze_is_read_from_the_metrics(cluster, tmp_path):
+    """Rank 0's cumulative exchange wait at the round that froze the masks and at the end: the rounds after."""
+    def rnd(k, acc, frozen, wait):
+        return {"event": "round", "round": k, "epoch": k / 2, "wall_s": 4.0 * k, "test_acc": acc, "frozen": frozen,
+                "exchange_wait_s": wait}
+    recs = [rnd(1, 0.5, False, 1.2), rnd(2, 0.7, True, 2.5), rnd(3, 0.8, True, 2.6), rnd(4, 0.9, True, 2.9),
+            {"event": "final", "round": 4, "wall_s": 16.0, "test_acc": 0.9}]   # no exchange wait in it
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    got = cluster.read_metrics(str(tmp_path), 0.8)
+    assert got["frozen_exchange_wait_per_round_s"] == 0.2 and got["time_to_target_s"] == 12.0
+    recs[1]["frozen"] = False   # frozen at the last round: no round after it
+    recs[2]["frozen"] = False
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert "frozen_exchange_wait_per_round_s" not in cluster.read_metrics(str(tmp_path), 0.8)
 
 
 @pytest.mark.parametrize("argv,message", [
