@@ -240,7 +240,7 @@ def check_overlapped_rounds(recs, node_ranks, eng, rounds=ROUNDS):
     for rnd in range(rounds):
         overlapped = len(node_ranks) > 1 and (recs[0]["before"][rnd]["frozen"] or not eng.config.overlap_after_freeze)
         assert all(rec["launched"][rnd]["in_flight"] == overlapped for rec in recs), (rnd, overlapped)
-        if overlapped or len(node_ranks) == 1:
+        if overlapped:
             out.append(check_overlapped_round(rnd, recs, node_ranks, eng))
         else:
             out.append(check_round(rnd, [rec["before"][rnd] for rec in recs], [rec["after"][rnd] for rec in recs],

@@ -152,7 +152,8 @@ def test_a_rank_killed_with_an_exchange_in_flight_is_named(tmp_path):
     """overlap: rank 2, node 1's leader, is killed while round 2's inter-node exchange is in flight (its local
     steps run). Rank 0 waits for that exchange when round 3 folds it in: the watchdog names the dead rank and
     the job ends within the bound, not at the timeout."""
-    cmd = fault_cmd(tmp_path, "kill-in-flight", 2, 2) + ["train", *SMALL, "--overlap", "--no-overlap-after-freeze", "--out", str(tmp_path / "run")]
+    cmd = fault_cmd(tmp_path, "kill-in-flight", 2, 2) + ["train", *SMALL, "--overlap", "--no-overlap-after-freeze",
+                                                         "--out", str(tmp_path / "run")]
     proc = run(mpirun(4, cmd, NODES2), timeout=240)
     took = since_fault(tmp_path)
     assert proc.returncode != 0
