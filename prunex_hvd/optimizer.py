@@ -11,12 +11,18 @@ The knobs are :class:`prunex_hvd.ConsensusConfig`'s fields, and its docstring is
   keeps master weights), what travels is in the model's dtype.
 * ``finalize()`` ends training with the consensus model (z and the last round's averaged BatchNorm
   statistics) on every rank; ``consensus_weights()`` lends it for an evaluation mid-run.
+* Mixed precision: ``torch.amp.GradScaler`` works as it is, Horovod's pattern too (``optimizer.synchronize()``,
+  ``scaler.unscale_(optimizer)``, ``with optimizer.skip_synchronize(): scaler.step(optimizer)``). A step the
+  scaler finds inf in is skipped but still counted, so rounds stay aligned across ranks (see ``step``).
+* A ``torch.compile``'d model is traced through its original module, and names stay the user's. A model
+  wrapped in ``DistributedDataParallel`` is refused: DDP would allreduce every gradient every step.
 
 This module also holds what every wrapper shares (PruneX's and the baselines'): :func:`check_wrapping` and
 :func:`mix_into`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import warnings
@@ -42,6 +48,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         topo = runtime.topology()
         self._local_steps = config.local_steps
         self._step_count_local = 0
+        self._synchronized = False   # synchronize() averaged this step's gradients over the node already
+        self._step_supports_amp_scaling = True   # over whatever the user's class set (see the class attribute)
         groups = comm_groups(config.backend)
         if not config.hierarchical:   # PruneX (AR): one consensus group over the world, no leaders' tier
             topo, groups = topo.flattened(), Groups(
@@ -50,21 +58,86 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._engine = HSADMM(model, topo, groups, config, structure)
         self._last_report: Optional[dict] = None
 
+    # torch.amp.GradScaler then calls step() on every iteration, inf or not, with ``grad_scale`` / ``found_inf``
+    # set on the optimizer: a rank skipping a step must still count it, or the ranks' rounds drift apart
+    _step_supports_amp_scaling = True
+
     def step(self, closure=None):
+        """One local step: (1) with a GradScaler, unscale the gradients; (2) ``node_sync``: average them over the
+        node (unless ``synchronize()`` did); (3) with a GradScaler, skip the step if a gradient is inf/NaN (with
+        ``node_sync`` on any rank of the node, so the node's ranks skip together); (4) add the proximal term and
+        step the user's optimizer; (5) count the step, skipped or not, and run a round every ``local_steps``."""
         if closure is not None:
             raise ValueError("prunex_hvd.DistributedOptimizer does not take a closure: the proximal term is added "
                              "to the gradients between backward() and step()")
         if self._engine.finalized:
             raise RuntimeError("step() after finalize(): finalize() ends training and leaves the consensus model "
                                "in place; to evaluate mid-run without ending it, use consensus_weights()")
-        self._engine.sync_node_grads()
-        self._engine.add_proximal_grad()
-        loss = super(self.__class__, self).step()
-        self._engine.after_step()
+        scaled = hasattr(self, "found_inf")   # GradScaler.step set it (and grad_scale) for this call
+        found_inf = self._unscale() if scaled else None                                  # (1)
+        if not self._synchronized:                                                        # (2)
+            self._engine.sync_node_grads()
+            if scaled and self._engine.syncs_node_grads:   # an inf on any rank of the node is in the mean now
+                found_inf = self._check_finite(1.0)
+        self._synchronized = False
+        loss = None
+        if not (scaled and found_inf.item() > 0):                                         # (3)
+            self._engine.add_proximal_grad()                                              # (4)
+            with self._scaler_state_hidden():
+                loss = super(self.__class__, self).step()
+        self._engine.after_step()                                                         # (5)
         self._step_count_local += 1
         if self._step_count_local % self._local_steps == 0:
             self.consensus()
         return loss
+
+    def _unscale(self) -> torch.Tensor:
+        """The gradients divided by GradScaler's scale (when it has not unscaled them itself, ``unscale_``), and
+        whether any is inf/NaN."""
+        if getattr(self, "grad_scale", None) is None:   # scaler.unscale_() ran: its verdict stands
+            return self.found_inf
+        return self._check_finite(self.grad_scale.double().reciprocal().float())
+
+    def _check_finite(self, inv_scale) -> torch.Tensor:
+        """Multiply every gradient by ``inv_scale`` and return 1.0 if any is inf/NaN (GradScaler's own kernel, one
+        call per device)."""
+        by_device: Dict[torch.device, list] = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    by_device.setdefault(p.grad.device, []).append(p.grad)
+        found = torch.zeros((), dtype=torch.float32)
+        for device, grads in by_device.items():
+            here = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, here, torch.as_tensor(inv_scale, dtype=torch.float32, device=device))
+            found += here.cpu()
+        return found
+
+    @contextlib.contextmanager
+    def _scaler_state_hidden(self):
+        """The user's optimizer steps on gradients already unscaled and checked: it must not see the scaler's
+        ``grad_scale`` / ``found_inf`` (a plain SGD refuses them, a fused one would unscale again)."""
+        saved = {k: self.__dict__.pop(k) for k in ("grad_scale", "found_inf") if k in self.__dict__}
+        try:
+            yield
+        finally:
+            self.__dict__.update(saved)
+
+    def synchronize(self) -> None:
+        """Horovod's ``synchronize()``: with ``node_sync``, average this step's gradients over the node now, so
+        ``scaler.unscale_()`` and gradient clipping see the node's mean (the node's scalers then see the same
+        gradients and keep the same scale); ``step()`` does not average them again. Without ``node_sync`` nothing
+        travels per step and this does nothing."""
+        if not self._synchronized:
+            self._engine.sync_node_grads()
+            self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Horovod's context for ``step()`` after ``synchronize()``. Here ``step()`` averages the gradients only
+        if ``synchronize()`` has not, with or without this context (the node's collectives must line up)."""
+        yield
 
     def consensus(self) -> dict:
         """Run a consensus round now (collective: every rank must call it). Returns the round's report."""
@@ -119,24 +192,40 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._engine.load_state_dict(engine)
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-                         config: Optional[ConsensusConfig] = None, **knobs):
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None,
+                         config: Optional[ConsensusConfig] = None, *, named_parameters=None, compression=None,
+                         backward_passes_per_step: int = 1, op=None, **knobs):
     """Wrap ``optimizer`` (over ``model``'s parameters) to train with H-SADMM. Collective: every rank constructs
     it, and rank 0's parameters and float buffers are broadcast to all.
 
     Arguments:
         optimizer: any ``torch.optim.Optimizer`` over the model's parameters.
-        model: the ``torch.nn.Module`` being trained.
+        model: the ``torch.nn.Module`` being trained (PruneX traces it to find the channels to prune), or its
+            ``torch.compile``'d form. Not wrapped in ``DistributedDataParallel``: PruneX synchronizes the ranks
+            itself (``node_sync=True`` averages gradients within a node, as DDP would there).
         config: a :class:`ConsensusConfig` (default: its defaults); ``knobs`` are put on top of it.
         **knobs: :class:`ConsensusConfig`'s fields by name (``sparsity``, ``local_steps``, ``rho1``, ...),
             whose docstring is the tuning guide.
 
+    Horovod's keyword arguments, so a Horovod script changes only its wrap line:
+        named_parameters: accepted beside ``model`` (it must name the model's parameters), not instead of it.
+        compression: ``hvd.Compression.none`` changes nothing; ``hvd.Compression.fp16`` sends the inter-node
+            exchange as float16 (``payload_dtype="fp16"``; prefer ``payload_dtype="bf16"``, which cannot
+            overflow). Gradients themselves never travel.
+        backward_passes_per_step: accepted (an integer >= 1) and changes nothing: gradients are never reduced
+            per backward pass, so accumulate as you would alone and call ``step()`` once per update;
+            ``local_steps`` counts ``step()`` calls.
+        op: ``hvd.Average`` (the consensus is an average of models); anything else is refused.
+
     Returns:
         An instance of the optimizer's own class with ``consensus()``, ``finalize()``, ``stats()``,
-        ``consensus_weights()`` and engine-aware ``state_dict()``/``load_state_dict()``.
+        ``consensus_weights()``, Horovod's ``synchronize()`` / ``skip_synchronize()`` and engine-aware
+        ``state_dict()``/``load_state_dict()``.
 
     Bad input raises ``ValueError`` on every rank, naming the ranks where it was found; so do ranks that
     disagree on the model (parameter names, shapes, dtypes), the sparsity spec or any knob."""
+    knobs = horovod_arguments(model, named_parameters, compression, backward_passes_per_step, op, knobs)
+    model = user_module(model)
     given = config if isinstance(config, ConsensusConfig) else ConsensusConfig
     backend = knobs.get("backend", given.backend)   # init() needs it before the checks below
 
@@ -155,11 +244,92 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
 
 DistributedOptimizer.__signature__ = inspect.Signature(
     [inspect.Parameter("optimizer", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.optim.Optimizer),
-     inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.nn.Module),
+     inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                       annotation=Optional[torch.nn.Module]),
      inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
                        annotation=Optional[ConsensusConfig])]
     + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-       for f in dataclasses.fields(ConsensusConfig)])
+       for f in dataclasses.fields(ConsensusConfig)]
+    + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default) for name, default in
+       (("named_parameters", None), ("compression", None), ("backward_passes_per_step", 1), ("op", None))])
+
+# Horovod's DistributedOptimizer arguments with no meaning under PruneX, and why
+HOROVOD_ONLY = {
+    "gradient_predivide_factor": "gradients are not reduced across ranks, so there is nothing to pre-divide",
+    "num_groups": "gradients are not reduced across ranks, so there are no allreduce groups to fuse",
+    "groups": "gradients are not reduced across ranks, so there are no allreduce groups to fuse",
+    "sparse_as_dense": "PruneX exchanges dense parameter tensors, never sparse gradients",
+    "process_set": "PruneX forms its own groups from the topology (prunex_hvd.init())",
+}
+
+
+def horovod_arguments(model, named_parameters, compression, backward_passes_per_step, op, knobs) -> dict:
+    """Horovod's ``DistributedOptimizer`` keywords checked and turned into knobs (see
+    :func:`DistributedOptimizer`). The same verdict on every rank, so raising before any collective is safe."""
+    hvd_only = sorted(set(knobs) & set(HOROVOD_ONLY))
+    if hvd_only:
+        raise ValueError("prunex_hvd.DistributedOptimizer does not take Horovod's "
+                         + "; ".join(f"{k}= ({HOROVOD_ONLY[k]})" for k in hvd_only) + ": remove it")
+    if model is None:
+        hint = (" named_parameters= is not enough: PruneX traces the model to find the channels it prunes,"
+                if named_parameters is not None else "")
+        raise ValueError(f"prunex_hvd.DistributedOptimizer needs the model:{hint} write "
+                         "px.DistributedOptimizer(optimizer, model, sparsity=..., local_steps=...)")
+    if named_parameters is not None:
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        held = dict(model.named_parameters())
+        foreign = [n for n, p in named_parameters if held.get(n) is not p and held.get("_orig_mod." + n) is not p]
+        if foreign:
+            raise ValueError(f"named_parameters names parameters that are not the model's: {foreign[:5]}; "
+                             "leave named_parameters out (PruneX reads the names from the model)")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+    if op is not None and op != _horovod_op("Average"):
+        raise ValueError(f"op={op!r}: the consensus is an average of models, so only hvd.Average (the default) "
+                         "has a meaning; remove op=")
+    kind = getattr(compression, "__name__", type(compression).__name__)
+    if compression is None or kind == "NoneCompressor":
+        return knobs
+    if kind != "FP16Compressor":
+        raise ValueError(f"compression={kind}: PruneX takes hvd.Compression.none or hvd.Compression.fp16 (the "
+                         "inter-node exchange in float16), or payload_dtype='bf16' for bfloat16")
+    if knobs.get("payload_dtype", "fp16") != "fp16":
+        raise ValueError(f"compression=hvd.Compression.fp16 asks for payload_dtype='fp16', but "
+                         f"payload_dtype={knobs['payload_dtype']!r} was given: keep one of them")
+    return dict(knobs, payload_dtype="fp16")
+
+
+def _horovod_op(name: str):
+    try:
+        import horovod.torch as hvd
+    except ImportError:   # no Horovod: no op but the default can have been meant
+        return None
+    return getattr(hvd, name)
+
+
+def user_module(model):
+    """The module PruneX traces and names parameters by: a ``torch.compile``'d model's original module (the same
+    parameter tensors; names without the ``_orig_mod.`` prefix). A model inside ``DistributedDataParallel`` or
+    FSDP is refused (:func:`refuse_data_parallel`)."""
+    refuse_data_parallel(model)
+    original = getattr(model, "_orig_mod", None)
+    if isinstance(original, torch.nn.Module) and type(model).__name__ == "OptimizedModule":
+        refuse_data_parallel(original)
+        return original
+    return model
+
+
+def refuse_data_parallel(model) -> None:
+    """DDP allreduces every gradient across every rank at every ``backward()`` (FSDP also shards the
+    parameters): under a wrapper that talks once a round it would silently put all that traffic back."""
+    kind = type(model).__name__
+    if kind in ("DistributedDataParallel", "FullyShardedDataParallel"):
+        raise ValueError(f"the model is wrapped in {kind}, which reduces every gradient across all ranks at every "
+                         "backward() and would put back the traffic this wrapper removes: pass the module itself "
+                         "(build it without the wrapper, or use ddp_model.module, and call that module in the "
+                         "training loop). For DDP's per-step averaging within a node, use node_sync=True")
 
 
 def warn_stages_removing_nothing(model, specs) -> None:
@@ -182,6 +352,7 @@ def check_wrapping(optimizer, model, bucket_mb=None) -> list:
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    refuse_data_parallel(model)
     if bucket_mb is not None:   # methods without buckets pass none
         check_bucket_mb(bucket_mb)
     model_params = {id(p) for p in model.parameters()}

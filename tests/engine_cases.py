@@ -85,6 +85,31 @@ def local_steps(model, step, x, y, steps=LOCAL_STEPS):
         step()
 
 
+def amp_local_steps(model, opt, scaler, x, y, steps, first_step, inf_steps, horovod_pattern=False):
+    """``local_steps`` under CPU autocast (bfloat16) and ``scaler``, with an inf written into one gradient at the
+    global steps in ``inf_steps`` (counted from 0 from ``first_step``). ``horovod_pattern``: Horovod's AMP example
+    (``synchronize()``, ``unscale_``, ``step`` under ``skip_synchronize()``). Returns, per step, whether θ moved."""
+    moved = []
+    for j in range(first_step, first_step + steps):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if j in inf_steps:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        if horovod_pattern:
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+        else:
+            scaler.step(opt)
+        scaler.update()
+        moved.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters())))
+    return moved
+
+
 def model_state(model):
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 

@@ -212,12 +212,17 @@ class HSADMM:
             groups.setdefault(e.rho1, []).append(k)
         self._prox_groups = list(groups.items())
 
+    @property
+    def syncs_node_grads(self) -> bool:
+        """Whether :meth:`sync_node_grads` averages anything (``node_sync`` on a node of more than one rank)."""
+        return self.config.node_sync and self.topo.local_size > 1
+
     def sync_node_grads(self) -> None:
         """``node_sync``: every gradient averaged over the node's ranks (one allreduce per bucket on the fast
         links), before the proximal term is added. The node's ranks share θ, u and z_i, so they then take the
         same step: the node is one data-parallel worker. A parameter with no gradient on this rank counts as
         zero in the mean, and gets the mean when that is not zero (so the node's ranks step it alike)."""
-        if not self.config.node_sync or self.topo.local_size == 1:
+        if not self.syncs_node_grads:
             return
         if self._grads is None:
             self._grads = BucketLayout([e.param.numel() for e in self.entries], self.dtype, self.device,

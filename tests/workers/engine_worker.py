@@ -37,6 +37,10 @@ def main():
     ap.add_argument("--overlap-steps", type=int, default=None, help="with --overlap: fold after this many steps")
     ap.add_argument("--overlap-after-freeze", action="store_true",
                     help="with --overlap: blocking rounds until the masks freeze (default here: every round)")
+    ap.add_argument("--amp-inf", default=None, metavar="RANK:STEP,...",
+                    help="local steps under CPU autocast and a GradScaler, an inf in a gradient of RANK at STEP")
+    ap.add_argument("--amp-horovod-pattern", action="store_true",
+                    help="with --amp-inf: Horovod's AMP pattern (synchronize, unscale_, skip_synchronize)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
@@ -57,6 +61,10 @@ def main():
     px.comm.reset()
     x, y = cases.rank_batch(topo.rank, a.device)   # different data on every rank
     reports, checks, ref_rounds = [], 0, []
+    if a.amp_inf is not None:
+        scaler = torch.amp.GradScaler("cpu")
+        inf_steps = {int(st) for r, st in (pair.split(":") for pair in a.amp_inf.split(",")) if int(r) == topo.rank}
+        moved = []
     if a.overlap:
         rec = cases.overlapped_rounds(eng, model, opt.step, x, y, opt.consensus, a.rounds, a.local_steps)
         reports = rec.pop("reports")
@@ -65,7 +73,11 @@ def main():
             ref_rounds = cases.check_overlapped_rounds(recs, topo.node_ranks, eng, a.rounds)
             checks = len(recs) * a.rounds
     for rnd in range(0 if a.overlap else a.rounds):
-        cases.local_steps(model, opt.step, x, y, a.local_steps)
+        if a.amp_inf is not None:
+            moved += cases.amp_local_steps(model, opt, scaler, x, y, a.local_steps, rnd * a.local_steps, inf_steps,
+                                           a.amp_horovod_pattern)
+        else:
+            cases.local_steps(model, opt.step, x, y, a.local_steps)
         before = control.allgather_object(cases.snapshot(eng))
         reports.append(opt.consensus())
         after = control.allgather_object(cases.snapshot(eng))
@@ -80,6 +92,8 @@ def main():
     stats = {k: v for k, v in opt.stats().items() if k != "residuals"}
     result = cases.rank_result(eng, model, topo, reports, stats, px.comm.summary(by_op=True))
     result.update(checks=checks, ref_rounds=ref_rounds)
+    if a.amp_inf is not None:
+        result.update(moved=moved, scale=scaler.get_scale())
     worker_io.report(a.out, topo.rank, result, checks)
 
 
