@@ -224,7 +224,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
 
     Bad input raises ``ValueError`` on every rank, naming the ranks where it was found; so do ranks that
     disagree on the model (parameter names, shapes, dtypes), the sparsity spec or any knob."""
-    knobs = horovod_arguments(model, named_parameters, compression, backward_passes_per_step, op, knobs)
+    if model is None:   # the script's own call, the same on every rank: safe to raise before talking
+        hint = (" named_parameters= is not enough: PruneX traces the model to find the channels it prunes,"
+                if named_parameters is not None else "")
+        raise ValueError(f"prunex_hvd.DistributedOptimizer needs the model:{hint} write "
+                         "px.DistributedOptimizer(optimizer, model, sparsity=..., local_steps=...)")
     model = user_module(model)
     given = config if isinstance(config, ConsensusConfig) else ConsensusConfig
     backend = knobs.get("backend", given.backend)   # init() needs it before the checks below
@@ -232,7 +236,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
     def checks():
         if config is not None and not isinstance(config, ConsensusConfig):
             raise ValueError(f"config must be a prunex_hvd.ConsensusConfig, got {type(config).__name__}")
-        made = ConsensusConfig.from_knobs(knobs, base=config)
+        made = ConsensusConfig.from_knobs(
+            horovod_arguments(model, named_parameters, compression, backward_passes_per_step, op, knobs),
+            base=config)
         check_wrapping(optimizer, model, made.bucket_mb)
         structure = Structure.resolve(model, made)
         return (made, structure), made.agreement(structure)
@@ -265,21 +271,14 @@ HOROVOD_ONLY = {
 
 def horovod_arguments(model, named_parameters, compression, backward_passes_per_step, op, knobs) -> dict:
     """Horovod's ``DistributedOptimizer`` keywords checked and turned into knobs (see
-    :func:`DistributedOptimizer`). The same verdict on every rank, so raising before any collective is safe."""
+    :func:`DistributedOptimizer`); ``model`` is the module PruneX wraps (:func:`user_module`)."""
     hvd_only = sorted(set(knobs) & set(HOROVOD_ONLY))
     if hvd_only:
         raise ValueError("prunex_hvd.DistributedOptimizer does not take Horovod's "
                          + "; ".join(f"{k}= ({HOROVOD_ONLY[k]})" for k in hvd_only) + ": remove it")
-    if model is None:
-        hint = (" named_parameters= is not enough: PruneX traces the model to find the channels it prunes,"
-                if named_parameters is not None else "")
-        raise ValueError(f"prunex_hvd.DistributedOptimizer needs the model:{hint} write "
-                         "px.DistributedOptimizer(optimizer, model, sparsity=..., local_steps=...)")
-    if named_parameters is not None:
-        if not isinstance(model, torch.nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        held = dict(model.named_parameters())
-        foreign = [n for n, p in named_parameters if held.get(n) is not p and held.get("_orig_mod." + n) is not p]
+    if named_parameters is not None and isinstance(model, torch.nn.Module):
+        held = dict(model.named_parameters())   # a compiled model's names carry its wrapper's prefix
+        foreign = [n for n, p in named_parameters if held.get(n.removeprefix("_orig_mod.")) is not p]
         if foreign:
             raise ValueError(f"named_parameters names parameters that are not the model's: {foreign[:5]}; "
                              "leave named_parameters out (PruneX reads the names from the model)")
@@ -311,12 +310,9 @@ def _horovod_op(name: str):
 
 def user_module(model):
     """The module PruneX traces and names parameters by: a ``torch.compile``'d model's original module (the same
-    parameter tensors; names without the ``_orig_mod.`` prefix). A model inside ``DistributedDataParallel`` or
-    FSDP is refused (:func:`refuse_data_parallel`)."""
-    refuse_data_parallel(model)
+    parameter tensors; names without the ``_orig_mod.`` prefix)."""
     original = getattr(model, "_orig_mod", None)
     if isinstance(original, torch.nn.Module) and type(model).__name__ == "OptimizedModule":
-        refuse_data_parallel(original)
         return original
     return model
 
