@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import prunex_hvd as px
+from engine_cases import amp_step
 from models_for_tests import toy_cnn
 
 pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
@@ -31,23 +32,6 @@ def params(model):
 
 def momenta(opt):
     return [s["momentum_buffer"].clone() for s in opt.state.values() if s.get("momentum_buffer") is not None]
-
-
-def amp_step(model, opt, scaler, x, y, inf=False, horovod_pattern=False, device="cpu"):
-    opt.zero_grad()
-    with torch.autocast(device, dtype=torch.bfloat16 if device == "cpu" else torch.float16):
-        loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
-    scaler.scale(loss).backward()
-    if inf:
-        next(model.parameters()).grad.view(-1)[1] = float("nan")
-    if horovod_pattern:
-        opt.synchronize()
-        scaler.unscale_(opt)
-        with opt.skip_synchronize():
-            scaler.step(opt)
-    else:
-        scaler.step(opt)
-    scaler.update()
 
 
 def plain_step(model, opt, x, y):
@@ -87,7 +71,7 @@ def test_a_step_with_inf_is_skipped_and_counted(horovod_pattern, device):
     data = batches(6)
     amp_step(model, opt, scaler, *data[0], device=device)
     before, buffers, scale = params(model), momenta(opt), scaler.get_scale()
-    amp_step(model, opt, scaler, *data[1], inf=True, horovod_pattern=horovod_pattern, device=device)
+    amp_step(model, opt, scaler, *data[1], float("nan"), horovod_pattern, device)
     assert all(torch.equal(a, b) for a, b in zip(params(model), before))
     assert all(torch.equal(a, b) for a, b in zip(momenta(opt), buffers))
     assert scaler.get_scale() == scale / 2 and opt.stats()["steps"] == 2
