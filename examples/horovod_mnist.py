@@ -76,7 +76,7 @@ class Net(nn.Module):
 
 
 model = Net().to(device)
-lr_scaler = hvd.size()
+lr_scaler = hvd.size()   # Horovod's, kept (under PruneX a node's ranks average gradients: node_sync)
 optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=args.momentum)
 
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -83,6 +83,7 @@ for epoch in range(args.epochs):
         with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
             loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
+        optimizer.synchronize()   # PruneX: the node's mean gradient first, so the clip sees what DDP's did
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
         scaler.step(optimizer)

@@ -74,22 +74,42 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("step() after finalize(): finalize() ends training and leaves the consensus model "
                                "in place; to evaluate mid-run without ending it, use consensus_weights()")
         scaled = hasattr(self, "found_inf")   # GradScaler.step set it (and grad_scale) for this call
-        found_inf = self._unscale() if scaled else None                                  # (1)
-        if not self._synchronized:                                                        # (2)
-            self._engine.sync_node_grads()
-            if scaled and self._engine.syncs_node_grads:   # an inf on any rank of the node is in the mean now
+        try:
+            if self._horovod_state_init():
+                return super(self.__class__, self).step()
+            found_inf = self._unscale() if scaled else None                              # (1)
+            if not self._synchronized:                                                    # (2)
+                self._engine.sync_node_grads()
+            self._synchronized = False
+            if scaled and self._engine.syncs_node_grads:   # the node's mean decides, whoever averaged it
                 found_inf = self._check_finite(1.0)
-        self._synchronized = False
-        loss = None
-        if not (scaled and found_inf.item() > 0):                                         # (3)
-            self._engine.add_proximal_grad()                                              # (4)
-            with self._scaler_state_hidden():
-                loss = super(self.__class__, self).step()
-        self._engine.after_step()                                                         # (5)
-        self._step_count_local += 1
-        if self._step_count_local % self._local_steps == 0:
-            self.consensus()
-        return loss
+            loss = None
+            if not (scaled and found_inf.item() > 0):                                     # (3)
+                self._engine.add_proximal_grad()                                          # (4)
+                with self._scaler_state_hidden():
+                    loss = super(self.__class__, self).step()
+            self._engine.after_step()                                                     # (5)
+            self._step_count_local += 1
+            if self._step_count_local % self._local_steps == 0:
+                self.consensus()
+            return loss
+        except BaseException:   # GradScaler removes its state only after a step that returned
+            for k in ("grad_scale", "found_inf"):
+                self.__dict__.pop(k, None)
+            raise
+
+    def _horovod_state_init(self) -> bool:
+        """Whether this is ``hvd.broadcast_optimizer_state``'s first call on a fresh optimizer: it sets every
+        gradient to zero and calls ``step()`` to create the state (momentum buffers). That is no training step:
+        not counted, nothing averaged (every rank makes it alike)."""
+        if self.state or self._step_count_local or self._engine.round:
+            return False
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.requires_grad]
+        return all(g is not None and not g.any() for g in grads)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._synchronized = False   # synchronize() then a batch thrown away: the next gradients are new
+        super(self.__class__, self).zero_grad(set_to_none)
 
     def _unscale(self) -> torch.Tensor:
         """The gradients divided by GradScaler's scale (when it has not unscaled them itself, ``unscale_``), and
@@ -126,9 +146,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Horovod's ``synchronize()``: with ``node_sync``, average this step's gradients over the node now, so
-        ``scaler.unscale_()`` and gradient clipping see the node's mean (the node's scalers then see the same
-        gradients and keep the same scale); ``step()`` does not average them again. Without ``node_sync`` nothing
-        travels per step and this does nothing."""
+        ``scaler.unscale_()`` and gradient clipping see the node's mean, as under DDP or Horovod; ``step()`` does
+        not average them again. Without ``node_sync`` nothing travels per step and this does nothing."""
         if not self._synchronized:
             self._engine.sync_node_grads()
             self._synchronized = True
@@ -320,12 +339,14 @@ def user_module(model):
 def refuse_data_parallel(model) -> None:
     """DDP allreduces every gradient across every rank at every ``backward()`` (FSDP also shards the
     parameters): under a wrapper that talks once a round it would silently put all that traffic back."""
-    kind = type(model).__name__
-    if kind in ("DistributedDataParallel", "FullyShardedDataParallel"):
-        raise ValueError(f"the model is wrapped in {kind}, which reduces every gradient across all ranks at every "
-                         "backward() and would put back the traffic this wrapper removes: pass the module itself "
-                         "(build it without the wrapper, or use ddp_model.module, and call that module in the "
-                         "training loop). For DDP's per-step averaging within a node, use node_sync=True")
+    kinds = {k.__name__ for k in type(model).__mro__} & {"DistributedDataParallel", "FullyShardedDataParallel",
+                                                           "FSDPModule"}
+    if kinds:
+        raise ValueError(f"the model is wrapped in {sorted(kinds)[0]}, which reduces every gradient across all "
+                         "ranks at every backward() and would put back the traffic this wrapper removes: pass the "
+                         "module itself (build it without the wrapper, or use ddp_model.module, and call that "
+                         "module in the training loop). For DDP's per-step averaging within a node, use "
+                         "node_sync=True")
 
 
 def warn_stages_removing_nothing(model, specs) -> None:

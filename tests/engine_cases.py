@@ -85,33 +85,38 @@ def local_steps(model, step, x, y, steps=LOCAL_STEPS):
         step()
 
 
-def amp_step(model, opt, scaler, x, y, bad=None, horovod_pattern=False, device="cpu"):
+AMP_PATTERNS = ("scaler.step", "horovod", "unscale-first")
+
+
+def amp_step(model, opt, scaler, x, y, bad=None, pattern="scaler.step", device="cpu"):
     """One training step under autocast (bfloat16 on CPU, float16 on CUDA) and ``scaler``; ``bad`` (inf or NaN)
-    written into one gradient after backward. ``horovod_pattern``: Horovod's AMP example (``synchronize()``,
-    ``unscale_``, ``step`` under ``skip_synchronize()``)."""
+    written into one gradient after backward. ``pattern``: ``scaler.step`` alone; ``horovod``, Horovod's AMP
+    example (``synchronize()``, ``unscale_``, ``step`` under ``skip_synchronize()``); ``unscale-first``, the
+    same with ``unscale_`` before ``synchronize()``."""
     opt.zero_grad()
     with torch.autocast(device, dtype=torch.bfloat16 if device == "cpu" else torch.float16):
         loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
     scaler.scale(loss).backward()
     if bad is not None:
         next(model.parameters()).grad.view(-1)[0] = bad
-    if horovod_pattern:
-        opt.synchronize()
-        scaler.unscale_(opt)
+    if pattern == "scaler.step":
+        scaler.step(opt)
+    else:
+        for call in ((opt.synchronize, lambda: scaler.unscale_(opt)) if pattern == "horovod"
+                     else (lambda: scaler.unscale_(opt), opt.synchronize)):
+            call()
         with opt.skip_synchronize():
             scaler.step(opt)
-    else:
-        scaler.step(opt)
     scaler.update()
 
 
-def amp_local_steps(model, opt, scaler, x, y, steps, first_step, inf_steps, horovod_pattern=False):
+def amp_local_steps(model, opt, scaler, x, y, steps, first_step, inf_steps, pattern="scaler.step"):
     """``local_steps`` by :func:`amp_step`, an inf in a gradient at the global steps in ``inf_steps`` (counted
     from ``first_step``). Returns, per step, whether θ moved."""
     moved = []
     for j in range(first_step, first_step + steps):
         before = [p.detach().clone() for p in model.parameters()]
-        amp_step(model, opt, scaler, x, y, float("inf") if j in inf_steps else None, horovod_pattern)
+        amp_step(model, opt, scaler, x, y, float("inf") if j in inf_steps else None, pattern)
         moved.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters())))
     return moved
 

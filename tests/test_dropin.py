@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import prunex_hvd as px
-from engine_cases import amp_step
+from engine_cases import AMP_PATTERNS, amp_step
 from models_for_tests import toy_cnn
 
 pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
@@ -42,15 +42,15 @@ def plain_step(model, opt, x, y):
     opt.step()
 
 
-@pytest.mark.parametrize("horovod_pattern", [False, True], ids=["scaler.step", "horovod-pattern"])
-def test_a_scaled_step_is_the_unscaled_step(horovod_pattern):
+@pytest.mark.parametrize("pattern", AMP_PATTERNS)
+def test_a_scaled_step_is_the_unscaled_step(pattern):
     """GradScaler's scale is a power of two: the unscaled gradients are exactly the plain ones, so a run under the
     scaler equals the same run without it, bit for bit, rounds included."""
     ref_model, model = toy_cnn(0), toy_cnn(0)
     ref, opt, scaler = wrapped(ref_model), wrapped(model), torch.amp.GradScaler("cpu")
     for x, y in batches(7):
         plain_step(ref_model, ref, x, y)
-        amp_step(model, opt, scaler, x, y, horovod_pattern=horovod_pattern)
+        amp_step(model, opt, scaler, x, y, pattern=pattern)
     assert opt.rounds_done() == ref.rounds_done() == 2
     for a, b in zip(params(model), params(ref_model)):
         assert torch.equal(a, b)
@@ -61,8 +61,8 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("horovod_pattern", [False, True], ids=["scaler.step", "horovod-pattern"])
-def test_a_step_with_inf_is_skipped_and_counted(horovod_pattern, device):
+@pytest.mark.parametrize("pattern", AMP_PATTERNS)
+def test_a_step_with_inf_is_skipped_and_counted(pattern, device):
     """The scaler finds a NaN: θ and the momentum stay, the scale halves, and the step still counts toward the
     round (every rank sees the same number of iterations, whichever ones its scaler skipped). CPU: bfloat16
     autocast; CUDA: float16, what GPU scripts use."""
@@ -71,13 +71,33 @@ def test_a_step_with_inf_is_skipped_and_counted(horovod_pattern, device):
     data = batches(6)
     amp_step(model, opt, scaler, *data[0], device=device)
     before, buffers, scale = params(model), momenta(opt), scaler.get_scale()
-    amp_step(model, opt, scaler, *data[1], float("nan"), horovod_pattern, device)
+    amp_step(model, opt, scaler, *data[1], float("nan"), pattern, device)
     assert all(torch.equal(a, b) for a, b in zip(params(model), before))
     assert all(torch.equal(a, b) for a, b in zip(momenta(opt), buffers))
     assert scaler.get_scale() == scale / 2 and opt.stats()["steps"] == 2
     amp_step(model, opt, scaler, *data[2], device=device)
     assert opt.rounds_done() == 1 and opt.stats()["steps"] == 3
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")   # the scaler's, removed after step
+
+
+def test_horovods_state_initialisation_is_not_a_training_step():
+    """hvd.broadcast_optimizer_state() on a fresh optimizer sets every gradient to zero and calls step() to create
+    the state: the momentum buffers appear, θ stays, and the step is not counted (the rounds keep their period)."""
+    model = toy_cnn(0)
+    opt = wrapped(model)
+    before = params(model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert len(momenta(opt)) == len(before) and opt.stats()["steps"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(params(model), before))
+    for x, y in batches(3):
+        plain_step(model, opt, x, y)
+    assert opt.rounds_done() == 1 and opt.stats()["steps"] == 3
+    for p in model.parameters():   # later, an all-zero gradient is a step like any other
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert opt.stats()["steps"] == 4
 
 
 def test_fused_inner_optimizer_under_the_scaler_unscales_once():

@@ -21,8 +21,10 @@ SCALE = 65536.0   # GradScaler's initial scale; an inf halves it on the scaler t
     # node_sync: the inf reaches the node's mean, so its node skips together; only rank 1's scaler saw it
     (["--node-sync"], {0: {4}, 1: {4}, 2: {7}, 3: {7}}, {1, 2}),
     # Horovod's pattern: synchronize() averages first, so both scalers of the node see the inf
-    (["--node-sync", "--amp-horovod-pattern"], {0: {4}, 1: {4}, 2: {7}, 3: {7}}, {0, 1, 2, 3}),
-], ids=["scaler.step", "node-sync", "node-sync-horovod-pattern"])
+    (["--node-sync", "--amp-pattern", "horovod"], {0: {4}, 1: {4}, 2: {7}, 3: {7}}, {0, 1, 2, 3}),
+    # unscale_ before synchronize(): each scaler judged its own gradients, the node's mean still decides
+    (["--node-sync", "--amp-pattern", "unscale-first"], {0: {4}, 1: {4}, 2: {7}, 3: {7}}, {1, 2}),
+], ids=["scaler.step", "node-sync", "node-sync-horovod-pattern", "node-sync-unscale-first"])
 def test_amp_inf_on_one_rank_skips_its_step_and_the_rounds_stay_aligned(tmp_path, flags, skipped, halved):
     """CPU autocast (bf16) with a GradScaler; rank 1 finds an inf at step 4 and rank 2 at step 7. Each skips that
     step but counts it, so every round lines up; the worker checks every round against the reference."""
@@ -42,7 +44,7 @@ def test_hvd_init_and_px_init_in_any_order(tmp_path, order):
     proc = run(horovodrun(4, HOSTS, python_cmd("hvd_order_worker.py", "--order", order, "--out", str(tmp_path))),
                timeout=240)
     results = worker_results(proc, tmp_path, "hvd-order")
-    assert {(r["size"], r["nodes"], r["rounds"]) for r in results} == {(4, 2, 2)}
+    assert {(r["size"], r["nodes"], r["steps"], r["rounds"]) for r in results} == {(4, 2, 4, 2)}
     assert len({r["digest"] for r in results}) == 1   # finalize(): one model everywhere
 
 

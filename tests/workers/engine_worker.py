@@ -39,8 +39,8 @@ def main():
                     help="with --overlap: blocking rounds until the masks freeze (default here: every round)")
     ap.add_argument("--amp-inf", default=None, metavar="RANK:STEP,...",
                     help="local steps under CPU autocast and a GradScaler, an inf in a gradient of RANK at STEP")
-    ap.add_argument("--amp-horovod-pattern", action="store_true",
-                    help="with --amp-inf: Horovod's AMP pattern (synchronize, unscale_, skip_synchronize)")
+    ap.add_argument("--amp-pattern", default="scaler.step", choices=cases.AMP_PATTERNS,
+                    help="with --amp-inf: the calls around the step (engine_cases.amp_step)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
@@ -75,7 +75,7 @@ def main():
     for rnd in range(0 if a.overlap else a.rounds):
         if a.amp_inf is not None:
             moved += cases.amp_local_steps(model, opt, scaler, x, y, a.local_steps, rnd * a.local_steps, inf_steps,
-                                           a.amp_horovod_pattern)
+                                           a.amp_pattern)
         else:
             cases.local_steps(model, opt.step, x, y, a.local_steps)
         before = control.allgather_object(cases.snapshot(eng))

@@ -1,7 +1,8 @@
 """A Horovod user's script under horovodrun, with ``hvd.init()`` and ``px.init()`` in the order ``--order`` names
-(or one of them left out). The script does what Horovod scripts do around the wrap: broadcast_parameters, a
-metric averaged with hvd.allreduce, and it trains two rounds. Writes OUT/rank{R}.json with the topology and
-the final model's digest, or, when the order is one PruneX refuses, "[rank R] hvd-order worker error: ..."."""
+(or one of them left out). The script does what Horovod scripts do around the wrap: broadcast_parameters,
+broadcast_optimizer_state after it (as Horovod's ImageNet example), a metric averaged with hvd.allreduce, and
+it trains two rounds. Writes OUT/rank{R}.json with the topology, the steps and rounds counted and the final
+model's digest, or, when the order is one PruneX refuses, "[rank R] hvd-order worker error: ..."."""
 import argparse
 import hashlib
 import os
@@ -19,7 +20,7 @@ ORDERS = {   # name: (calls before the wrap, in order; the wrapper's backend)
     "hvd-then-px": (["hvd", "px"], "auto"),
     "px-then-hvd": (["px", "hvd"], "auto"),
     "hvd-only": (["hvd"], "auto"),
-    "neither": ([], "auto"),
+    "neither": ([], "auto"),   # the wrap initialises; hvd.init() comes after it
     "hvd-dynamic-then-px-horovod": (["hvd-dynamic", "px-horovod"], "horovod"),
     "px-horovod-then-hvd": (["px-horovod", "hvd"], "horovod"),
     "hvd-then-px-horovod": (["hvd", "px-horovod"], "horovod"),   # refused: Horovod without dynamic sets
@@ -44,13 +45,16 @@ def main():
             px.init()
         else:
             px.init(backend="horovod")
-    if "hvd" not in " ".join(calls):
-        hvd.init()   # a script with no hvd.init() before the wrap calls Horovod's API after it
-    model = toy_cnn(hvd.rank())   # different weights on every rank: broadcast_parameters makes them equal
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    rank = int(os.environ["HOROVOD_RANK"])
+    model = toy_cnn(rank)   # different weights on every rank: broadcast_parameters (or the wrap) makes them equal
+    if calls:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
                                   sparsity="channel:0.5", local_steps=2, backend=backend)
-    g = torch.Generator().manual_seed(hvd.rank())
+    if not calls:
+        hvd.init()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)   # on a fresh optimizer: a zero-gradient step() first
+    g = torch.Generator().manual_seed(rank)
     for _ in range(4):
         x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
         opt.zero_grad()
@@ -63,6 +67,7 @@ def main():
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     worker_io.report(a.out, hvd.rank(), {"rank": hvd.rank(), "size": hvd.size(), "nodes": topo.num_nodes,
                                          "backend": px.comm.groups().backend, "rounds": opt.rounds_done(),
+                                         "steps": opt.stats()["steps"],
                                          "mean_loss": mean_loss, "digest": digest}, 1)
 
 
