@@ -64,3 +64,56 @@ def test_bucket_layout_packs_by_size_and_keeps_big_tensors_whole():
     layout.views[1].fill_(7)
     assert layout.buffers[0][10:30].eq(7).all() and layout.place[3] == (2, 0)
     assert layout.total_numel == 165
+
+
+def _argmin(f, shape):
+    y = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([y], lr=1, max_iter=200, tolerance_grad=1e-14, tolerance_change=1e-16)
+
+    def closure():
+        opt.zero_grad()
+        loss = f(y)
+        loss.backward()
+        return loss
+    opt.step(closure)
+    return y.detach()
+
+
+@pytest.mark.parametrize("N", [1, 2, 3])
+def test_rack_candidate_is_the_argmin(N):
+    g = torch.Generator().manual_seed(N)
+    shape = (4, 3)
+    r = lambda: torch.randn(shape, generator=g, dtype=torch.float64)  # noqa: E731
+    z_is, vs, z, t = [r() for _ in range(N)], [0.1 * r() for _ in range(N)], r(), 0.1 * r()
+    rho2, rho3 = 0.05, 0.007
+    cand = admm.rack_candidate(sum(a + b for a, b in zip(z_is, vs)), z, t, rho2, rho3, N)
+    f = lambda w: admm.rack_objective(w, z_is, vs, z, t, rho2, rho3)  # noqa: E731
+    x = cand.clone().requires_grad_(True)
+    f(x).backward()
+    assert x.grad.abs().max() < 1e-12
+    torch.testing.assert_close(_argmin(f, shape), cand, rtol=1e-8, atol=1e-8)
+
+
+def test_three_tier_admm_reaches_the_consensus_optimum():
+    """The tree θ → z_i → w_r → z with the exact steps (quadratic f_ij(θ) = ½‖θ − a_ij‖², no structure): every
+    copy converges to the minimiser of Σ f_ij, the mean of the a_ij, whatever ρ per tier; a wrong normaliser in
+    either candidate would stop short of it."""
+    racks, nodes, ranks, shape = 2, 3, 2, (6,)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(racks, nodes, ranks, *shape, generator=g, dtype=torch.float64)
+    rho1, rho2, rho3 = 1.0, 0.5, 0.25
+    theta, u = a.clone(), torch.zeros_like(a)
+    z_i, v = a.mean(2), torch.zeros(racks, nodes, *shape, dtype=torch.float64)
+    w, t = z_i.mean(1), torch.zeros(racks, *shape, dtype=torch.float64)
+    z = w.mean(0)
+    for _ in range(600):
+        theta = (a + rho1 * (z_i[:, :, None] - u)) / (1 + rho1)                 # exact θ-step
+        z_i = admm.node_candidate((theta + u).sum(2), w[:, None], v, rho1, rho2, ranks, racks * nodes)
+        w = admm.rack_candidate((z_i + v).sum(1), z, t, rho2, rho3, nodes)
+        z = admm.global_average(list(w + t))
+        admm.update_dual(u, theta, z_i[:, :, None])
+        admm.update_dual(v, z_i, w[:, None])
+        admm.update_dual(t, w, z)
+    optimum = a.mean((0, 1, 2))
+    for copies in (theta, z_i, w, z[None]):
+        torch.testing.assert_close(copies, optimum.expand_as(copies), rtol=0, atol=1e-9)

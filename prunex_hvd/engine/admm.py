@@ -52,8 +52,32 @@ def node_objective(z_i: torch.Tensor, thetas: Sequence[torch.Tensor], us: Sequen
     return out + rho2 / 2 * (z_i - z + v).pow(2).sum()
 
 
+def rack_candidate(rack_sum: torch.Tensor, z: torch.Tensor, t: torch.Tensor, rho2: float, rho3: float,
+                   nodes_per_rack: int) -> torch.Tensor:
+    """Three tiers (racks, docs/algorithm.md "A third tier: racks"): the exact minimiser over the rack consensus
+    w_r of :func:`rack_objective`,
+
+        w̃_r = (ρ2·Σ_{i∈r}(z_i + v_i) + ρ3·(z − t_r)) / (N·ρ2 + ρ3)
+
+    ``rack_sum`` is Σ(z_i + v_i) over the rack's N nodes, v_i their duals against w_r, t_r the rack's dual against
+    the global z. The node candidate is :func:`node_candidate` with w_r in the place of z (and ρ2 its penalty)."""
+    rack_sum = rack_sum.to(z.dtype)
+    return (rack_sum * rho2 + (z - t) * rho3) / (nodes_per_rack * rho2 + rho3)
+
+
+def rack_objective(w: torch.Tensor, z_is: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], z: torch.Tensor,
+                   t: torch.Tensor, rho2: float, rho3: float) -> torch.Tensor:
+    """The part of the three-tier augmented Lagrangian that depends on w_r:
+    Σ_{i∈r} ρ2/2‖z_i − w_r + v_i‖² + ρ3/2‖w_r − z + t_r‖²."""
+    out = rho3 / 2 * (w - z + t).pow(2).sum()
+    for z_i, v in zip(z_is, vs):
+        out = out + rho2 / 2 * (z_i - w + v).pow(2).sum()
+    return out
+
+
 def global_average(node_values: Sequence[torch.Tensor]) -> torch.Tensor:
-    """z-step: the mean over nodes of (z_i + v_i) on the global support (the caller compacts to it)."""
+    """z-step: the mean over nodes of (z_i + v_i) on the global support (the caller compacts to it); with racks,
+    the mean over racks of (w_r + t_r)."""
     return torch.stack(list(node_values)).mean(0)
 
 
