@@ -44,3 +44,23 @@ def test_make_python_prints_the_env_interpreter():
     assert subprocess.run([out, "-c", "import prunex_hvd"], timeout=120).returncode == 0
     if Path(sys.executable).parent.parent == REPO / ".venv":
         assert Path(out) == Path(sys.executable)
+
+
+@needs_mpirun
+@pytest.mark.launch
+def test_info_shows_racks_from_the_environment():
+    """8 ranks as 2 racks × 2 nodes × 2 (PRUNEX_RANKS_PER_NODE, PRUNEX_NODES_PER_RACK): every rank's topology,
+    and a value the ranks disagree on (one rank told 4) is one error on every rank."""
+    proc = run(mpirun(8, [str(BIN / "prunex-hvd"), "info", "--json"],
+                      ["PRUNEX_RANKS_PER_NODE=2", "PRUNEX_NODES_PER_RACK=2"]), timeout=180)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    ranks = [row["topology"] for row in json.loads(proc.stdout[proc.stdout.index("{"):])["ranks"]]
+    assert [(t["rack"], t["node"], t["is_rack_leader"]) for t in ranks] == \
+        [(r // 4, r // 2, r % 4 == 0) for r in range(8)]
+    assert {str(t["rack_nodes"]) for t in ranks} == {"[[0, 1], [2, 3]]"}
+    script = ("import os, prunex_hvd as px; r = int(os.environ['OMPI_COMM_WORLD_RANK'])\n"
+              "try:\n    px.init(ranks_per_node=2, nodes_per_rack=4 if r == 5 else 2)\n"
+              "except px.TopologyError as e:\n    print(f'[rank {r}] refused: {e}', flush=True)")
+    proc = run(mpirun(8, [sys.executable, "-c", script]), timeout=180)
+    said = [line for line in proc.stdout.splitlines() if "refused: ranks disagree about nodes_per_rack" in line]
+    assert len(said) == 8 and "4 on ranks 5" in said[0], proc.stdout[-3000:]

@@ -33,7 +33,7 @@ def _info(args) -> int:
     import prunex_hvd as px
     from prunex_hvd.dist.runtime import state
 
-    topo = px.init(backend=args.backend, ranks_per_node=args.ranks_per_node)
+    topo = px.init(backend=args.backend, ranks_per_node=args.ranks_per_node, nodes_per_rack=args.nodes_per_rack)
     _, control = state()
     usable = {b: px.comm.unavailable_reason(b, topo.launcher) or "ok" for b in px.comm.BACKENDS}
     probe = None
@@ -51,12 +51,15 @@ def _info(args) -> int:
         print(json.dumps({"launcher": topo.launcher, "grouping": topo.grouping, "backends": usable,
                           "ranks": rows}, indent=2))
         return 0
-    print(f"{topo.size} ranks on {topo.num_nodes} node(s) × {topo.local_size}; launcher {topo.launcher}, "
+    racks = f" in {topo.num_racks} racks × {topo.nodes_per_rack}" if topo.rack_nodes else ""
+    print(f"{topo.size} ranks on {topo.num_nodes} node(s) × {topo.local_size}{racks}; launcher {topo.launcher}, "
           f"nodes by {topo.grouping}, backend {args.backend}")
-    print(f"{'rank':>4} {'node':>4} {'local':>5} {'leader':>6}" + ("   inter-node MB sent   intra MB" if probe else ""))
+    print(f"{'rank':>4} {'rack':>4} {'node':>4} {'local':>5} {'leader':>6}"
+          + ("   inter-node MB sent   intra MB" if probe else ""))
     for row in rows:
         t, p = row["topology"], row["probe"]
-        line = f"{t['rank']:>4} {t['node']:>4} {t['local_rank']:>5} {'yes' if t['is_leader'] else '':>6}"
+        lead = "rack" if t["is_rack_leader"] and topo.rack_nodes else "yes" if t["is_leader"] else ""
+        line = f"{t['rank']:>4} {t['rack']:>4} {t['node']:>4} {t['local_rank']:>5} {lead:>6}"
         if p:
             line += f"   {p['total']['cross_node_bytes'] / 2**20:>18.2f}   {p['intra']['payload_bytes'] / 2**20:>8.2f}"
         print(line)
@@ -227,6 +230,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     _consensus_flags({"job": g})
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="emulate nodes: node = rank // N (same as env PRUNEX_RANKS_PER_NODE)")
+    g.add_argument("--nodes-per-rack", type=int, default=None,
+                   help="racks of N consecutive nodes (same as env PRUNEX_NODES_PER_RACK; default: Slurm's switch "
+                        "topology where set, else one rack per node)")
     g.add_argument("--timeout", type=float, default=None,
                    help="seconds a collective may wait for the other ranks before the job stops, naming the ranks "
                         "that did not arrive (a dead rank: within ~1 s); default env PRUNEX_TIMEOUT_S or 600, 0: off")
@@ -309,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--backend", default="auto")
     info.add_argument("--ranks-per-node", type=int, default=None,
                       help="emulate nodes: node = rank // N (same as env PRUNEX_RANKS_PER_NODE)")
+    info.add_argument("--nodes-per-rack", type=int, default=None,
+                      help="racks of N consecutive nodes (same as env PRUNEX_NODES_PER_RACK)")
     info.add_argument("--probe-mb", type=float, default=0.0,
                       help="run a hierarchical allreduce of this many MB and show the bytes per tier")
     info.add_argument("--json", action="store_true")

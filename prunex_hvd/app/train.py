@@ -90,6 +90,7 @@ class TrainConfig:
     diloco_outer_lr: float = 0.7               # diloco: the outer Nesterov SGD's lr and momentum (the paper's)
     diloco_outer_momentum: float = 0.9
     ranks_per_node: Optional[int] = None
+    nodes_per_rack: Optional[int] = None
     timeout: Optional[float] = None            # s a collective may wait before the job stops naming who is missing
     seed: int = 0
     out: str = "runs/run"
@@ -261,7 +262,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     from tqdm import tqdm
 
     cfg.validate()
-    topo = px.init(backend=cfg.consensus.backend, ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout)
+    topo = px.init(backend=cfg.consensus.backend, ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout,
+                   nodes_per_rack=cfg.nodes_per_rack)
     _, control = runtime.state()
     threads = _set_threads(cfg.threads, control)
     rank, is_main = topo.rank, topo.rank == 0

@@ -6,7 +6,8 @@ from typing import Optional, Tuple
 
 from . import comm, watchdog
 from .launch import Control, detect, make_control
-from .topology import Topology, TopologyError, group_nodes, requested_ranks_per_node
+from .topology import (Topology, TopologyError, group_nodes, requested_nodes_per_rack, requested_ranks_per_node,
+                       slurm_rack_key)
 
 _topology: Optional[Topology] = None
 _control: Optional[Control] = None
@@ -14,12 +15,15 @@ _backend: Optional[str] = None
 _args: Optional[tuple] = None
 
 
-def init(backend: str = "auto", ranks_per_node: Optional[int] = None, timeout: Optional[float] = None) -> Topology:
+def init(backend: str = "auto", ranks_per_node: Optional[int] = None, timeout: Optional[float] = None,
+         nodes_per_rack: Optional[int] = None) -> Topology:
     """Discover rank, node and leadership, check every rank agrees, and build ``backend``'s groups.
 
     Discovery order: Horovod (when installed and launched by horovodrun or MPI), MPI (mpi4py), torchrun's
     environment, else a single process. ``ranks_per_node`` (or env ``PRUNEX_RANKS_PER_NODE``) overrides the
     node grouping: node = rank // ranks_per_node, so emulated nodes can share one host under mpirun.
+    ``nodes_per_rack`` (or env ``PRUNEX_NODES_PER_RACK``) groups consecutive nodes into racks; without it, racks
+    come from Slurm's switch topology (``SLURM_TOPOLOGY_ADDR``) where it is set, else every node is its own rack.
 
     ``timeout`` (or env ``PRUNEX_TIMEOUT_S``, default 600 s, 0: off): how long any collective may wait before
     the watchdog stops the job, naming the ranks that did not arrive; a rank that died is named within about a
@@ -30,20 +34,21 @@ def init(backend: str = "auto", ranks_per_node: Optional[int] = None, timeout: O
     global _topology, _control, _backend, _args
     comm.check_backend_name(backend)  # same answer on every rank: safe to raise before talking
     if _topology is not None:
-        if _args == (backend, ranks_per_node, timeout):
+        if _args == (backend, ranks_per_node, timeout, nodes_per_rack):
             return _topology
         raise RuntimeError(f"prunex_hvd is already initialised with backend={_args[0]!r}, "
-                           f"ranks_per_node={_args[1]!r}, timeout={_args[2]!r}; call prunex_hvd.shutdown() first")
+                           f"ranks_per_node={_args[1]!r}, timeout={_args[2]!r}, nodes_per_rack={_args[3]!r}; "
+                           "call prunex_hvd.shutdown() first")
     launcher = detect()
     control = make_control(launcher)
     try:
-        rpn, error = requested_ranks_per_node(ranks_per_node), None
+        rpn, npr, error = requested_ranks_per_node(ranks_per_node), requested_nodes_per_rack(nodes_per_rack), None
     except TopologyError as exc:  # reported collectively, so the ranks that parsed fine do not hang
-        rpn, error = None, str(exc)
+        rpn, npr, error = None, None, str(exc)
     control.agree(error, TopologyError)
-    reports = control.allgather_object((control.node_key(), rpn))
+    reports = control.allgather_object((control.node_key(), rpn, npr, slurm_rack_key()))
     topo = group_nodes(control.rank, reports, launcher=launcher, grouping=control.grouping)
-    _topology, _control, _backend, _args = topo, control, backend, (backend, ranks_per_node, timeout)
+    _topology, _control, _backend, _args = topo, control, backend, (backend, ranks_per_node, timeout, nodes_per_rack)
     try:
         watchdog.start(control, topo.rank, topo.size, timeout)
         comm.bind(topo, control, backend)
