@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from launching import horovodrun, mpirun, needs_horovod, needs_mpirun, python_cmd, run, torchrun
+from launching import horovodrun, mpirun, needs_horovod, needs_mpirun, python_cmd, run, torchrun, worker_results
 
 pytestmark = pytest.mark.launch
 
@@ -140,3 +140,36 @@ def test_nccl(tmp_path):
         # one GPU: NCCL refuses two ranks on one device, so run the nccl groups with one rank for real
         proc = run(mpirun(1, python_cmd("comm_worker.py", "--backends", "nccl", "--device", "cuda")))
         assert proc.returncode == 0 and "] ok rank" in proc.stdout, proc.stdout[-6000:]
+
+
+RACK_ENV = ["PRUNEX_RANKS_PER_NODE=2", "PRUNEX_NODES_PER_RACK=2"]
+
+
+def check_rack_results(proc, out):
+    """Every rank's rack and spine groups, and the bytes that crossed racks: only the spine's allreduce and the
+    world ring's two hops between racks (ranks 3 and 7) leave a rack."""
+    results = worker_results(proc, out, "rack", ranks=8)
+    nbytes = 4000
+    for r, res in enumerate(results):
+        assert res["members"].get("rack") == {0: [0, 2], 2: [0, 2], 4: [4, 6], 6: [4, 6]}.get(r)
+        assert res["members"].get("spine") == ([0, 4] if r in (0, 4) else None)
+        rack_bytes = {tier: res["ledger"][tier]["cross_rack_bytes"] for tier in ("rack", "spine", "world")}
+        world = 2 * 7 * nbytes // 8
+        assert rack_bytes == {"rack": 0, "spine": nbytes if r in (0, 4) else 0,
+                              "world": world if r in (3, 7) else 0}, (r, rack_bytes)
+
+
+@needs_mpirun
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_rack_groups_under_mpirun(tmp_path, backend):
+    proc = run(mpirun(8, python_cmd("rack_worker.py", "--backend", backend, "--out", str(tmp_path)), RACK_ENV),
+               timeout=240)
+    check_rack_results(proc, tmp_path)
+
+
+@needs_horovod
+def test_rack_groups_under_horovodrun(tmp_path):
+    proc = run(horovodrun(8, "localhost:4,127.0.0.1:4", python_cmd("rack_worker.py", "--backend", "horovod",
+                                                                    "--out", str(tmp_path))),
+               env=dict(e.split("=") for e in RACK_ENV), timeout=300)
+    check_rack_results(proc, tmp_path)

@@ -206,3 +206,46 @@ def test_a_failing_leader_fails_the_others_async_wait():
             groups.inter.allreduce_async_(torch.ones(3), "sum").wait()
     with pytest.raises(RankFailed, match="rank 2"):
         run_ranks(2, 2, work, timeout=30)
+
+
+def test_rack_groups_and_bytes_that_cross_racks():
+    """2 racks × 2 nodes × 2 ranks: ``rack`` holds the node leaders of a rack, ``spine`` the rack leaders; each
+    group sums exactly its members, and the ledger's cross_rack_bytes counts only ring hops between racks."""
+    cluster = thread_cluster(4, 2, keep_records=True, nodes_per_rack=2)
+    nbytes = 4 * 1000
+
+    def body(rank):
+        g = rank.groups
+        layout = (g.rack is not None and g.rack.ranks, g.spine is not None and g.spine.ranks)
+        for comm in (g.rack, g.spine, g.world):
+            if comm is not None:
+                t = torch.full((1000,), float(rank.topo.rank))
+                comm.allreduce_(t, "sum")
+                assert t.eq(float(sum(comm.ranks))).all()
+        return layout, {r.tier: (r.cross_node_bytes, r.cross_rack_bytes) for r in rank.ledger.records}
+    results = run_ranks(4, 2, body, cluster=cluster)
+    assert [layout for layout, _ in results] == [((0, 2), (0, 4)), (False, False), ((0, 2), False), (False, False),
+                                                 ((4, 6), (0, 4)), (False, False), ((4, 6), False), (False, False)]
+    for r, (_, tiers) in enumerate(results):
+        if r in (0, 2, 4, 6):   # a rack of two node leaders: every hop crosses nodes, none crosses racks
+            assert tiers["rack"] == (nbytes, 0)
+        if r in (0, 4):         # the spine: every hop crosses racks
+            assert tiers["spine"] == (nbytes, nbytes)
+        # the world ring 0→1→…→7→0 leaves a node at odd ranks and a rack at ranks 3 and 7
+        ring = ring_sent_bytes("allreduce", [nbytes] * 8, r)
+        assert tiers["world"] == (ring if r % 2 else 0, ring if r in (3, 7) else 0)
+    summary = cluster[0].ledger.summary()
+    assert summary["spine"]["cross_rack_bytes"] == nbytes and summary["rack"]["cross_rack_bytes"] == 0
+    assert summary["total"]["cross_rack_bytes"] == nbytes
+
+
+def test_without_racks_there_are_no_rack_groups_and_racks_are_nodes():
+    cluster = thread_cluster(2, 2, keep_records=True)
+
+    def body(rank):
+        g = rank.groups
+        t = torch.ones(10)
+        g.world.allreduce_(t)
+        rec = rank.ledger.records[-1]
+        return g.rack, g.spine, rec.cross_node_bytes == rec.cross_rack_bytes
+    assert run_ranks(2, 2, body, cluster=cluster) == [(None, None, True)] * 4

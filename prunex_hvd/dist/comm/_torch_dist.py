@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..net import free_port, reachable_address
 from ..watchdog import default_timeout
-from .base import Communicator, Groups
+from .base import Communicator, Groups, build_groups
 
 def ensure_world(topo, control) -> None:
     if dist.is_initialized():
@@ -73,16 +73,9 @@ class TorchDistCommunicator(Communicator):
 
 
 def make_groups(topo, cls, backend: str, ledger=None) -> Groups:
-    """Create the node groups, the leaders' group and a world group. ``new_group`` is collective over the
-    whole world, so every rank creates every group, in the same order."""
-    nodes_of = [topo.node_of(r) for r in range(topo.size)]
-    intra = None
-    for node, ranks in enumerate(topo.node_ranks):
-        pg = dist.new_group(list(ranks), backend=backend)
-        if node == topo.node:
-            intra = cls(pg, "intra", ranks, [node] * len(ranks), topo.local_rank, ledger)
-    pg = dist.new_group(list(topo.leaders), backend=backend)
-    inter = cls(pg, "inter", topo.leaders, range(topo.num_nodes), topo.node, ledger) if topo.is_leader else None
-    pg = dist.new_group(list(range(topo.size)), backend=backend)
-    world = cls(pg, "world", range(topo.size), nodes_of, topo.rank, ledger)
-    return Groups(world=world, intra=intra, inter=inter, backend=backend)
+    """Create every group of :func:`group_plans`. ``new_group`` is collective over the whole world, so every rank
+    creates every group, in the same order."""
+    def make(plan, index):
+        pg = dist.new_group(list(plan.ranks), backend=backend)
+        return None if index is None else cls(pg, plan.tier, plan.ranks, plan.nodes, index, ledger, racks=plan.racks)
+    return build_groups(topo, backend, make)

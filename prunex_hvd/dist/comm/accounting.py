@@ -25,9 +25,9 @@ import threading
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, asdict
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Optional
 
-TIERS = ("intra", "inter", "world")
+TIERS = ("intra", "inter", "rack", "spine", "world")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class CommRecord:
     cross_node_bytes: int  # the part of wire_bytes that crosses a node boundary
     seconds: float
     tag: str = ""        # what the traffic was for (set with CommLedger.tagged), e.g. "consensus"
+    cross_rack_bytes: Optional[int] = None   # the part that crosses a rack boundary (None: every node a rack)
 
 
 def ring_sent_bytes(op: str, nbytes: Sequence[int], index: int, root: int = 0) -> int:
@@ -97,7 +98,7 @@ class CommLedger:
 
     def reset(self) -> None:
         with self._lock:
-            self._totals: Dict[tuple, List[float]] = defaultdict(lambda: [0, 0, 0, 0, 0.0])
+            self._totals: Dict[tuple, List[float]] = defaultdict(lambda: [0, 0, 0, 0, 0.0, 0])
             self.records: List[CommRecord] = []
 
     def add(self, rec: CommRecord) -> None:
@@ -108,14 +109,16 @@ class CommLedger:
             t[2] += rec.wire_bytes
             t[3] += rec.cross_node_bytes
             t[4] += rec.seconds
+            t[5] += rec.cross_node_bytes if rec.cross_rack_bytes is None else rec.cross_rack_bytes
             if self.keep_records:
                 self.records.append(rec)
 
     def summary(self, by_op: bool = False) -> Dict[str, dict]:
-        """``{tier: {ops, payload_bytes, wire_bytes, cross_node_bytes, seconds}}`` plus ``total``.
+        """``{tier: {ops, payload_bytes, wire_bytes, cross_node_bytes, seconds, cross_rack_bytes}}`` plus
+        ``total``.
 
         With ``by_op=True`` each tier also carries ``by_op: {op: {...}}`` (``op[tag]`` for tagged traffic)."""
-        keys = ("ops", "payload_bytes", "wire_bytes", "cross_node_bytes", "seconds")
+        keys = ("ops", "payload_bytes", "wire_bytes", "cross_node_bytes", "seconds", "cross_rack_bytes")
         out = {tier: dict.fromkeys(keys, 0) for tier in TIERS + ("total",)}
         with self._lock:
             items = [(k, list(v)) for k, v in self._totals.items()]

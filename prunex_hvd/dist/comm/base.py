@@ -11,7 +11,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,8 +28,9 @@ def nbytes(t: torch.Tensor) -> int:
 class Communicator:
     """Collectives on one group.
 
-    ``ranks`` are the world ranks of the members in group order, ``nodes`` their node indices, ``rank`` my
-    index in the group. ``tier`` is ``intra``, ``inter`` or ``world``."""
+    ``ranks`` are the world ranks of the members in group order, ``nodes`` their node indices, ``racks`` their
+    rack indices (default: every node its own rack), ``rank`` my index in the group. ``tier`` is ``intra``,
+    ``inter``, ``rack``, ``spine`` or ``world`` (:func:`group_plans`)."""
 
     backend = "base"
     has_bor = True  # False: bitwise-or is done as MAX, exact only for 0/1 masks (checked)
@@ -39,10 +40,11 @@ class Communicator:
                            torch.int16, torch.int32, torch.int64})
 
     def __init__(self, tier: str, ranks: Sequence[int], nodes: Sequence[int], rank: int,
-                 ledger: Optional[CommLedger] = None):
+                 ledger: Optional[CommLedger] = None, racks: Optional[Sequence[int]] = None):
         self.tier = tier
         self.ranks = tuple(ranks)
         self.nodes = tuple(nodes)
+        self.racks = tuple(racks) if racks is not None else self.nodes
         self.rank = rank
         self.size = len(self.ranks)
         self.ledger = ledger or default_ledger()
@@ -264,7 +266,8 @@ class _Accounted:
             op=self.op, tier=c.tier, backend=c.backend, payload_bytes=self.sizes[c.rank],
             wire_bytes=ring_sent_bytes(model_op, self.sizes, c.rank, self.root),
             cross_node_bytes=ring_cross_node_bytes(model_op, self.sizes, c.rank, c.nodes, self.root),
-            seconds=time.perf_counter() - self.t0, tag=c.ledger.current_tag))
+            seconds=time.perf_counter() - self.t0, tag=c.ledger.current_tag,
+            cross_rack_bytes=ring_cross_node_bytes(model_op, self.sizes, c.rank, c.racks, self.root)))
         return False
 
 
@@ -294,13 +297,62 @@ class SingleCommunicator(Communicator):
         pass
 
 
+@dataclass(frozen=True)
+class GroupPlan:
+    """One group a backend creates: its tier, which group of the tier it is (the node or rack number, 0 for the
+    others), and its members (world ranks in group order) with their nodes and racks."""
+    tier: str
+    index: int
+    ranks: Tuple[int, ...]
+    nodes: Tuple[int, ...]
+    racks: Tuple[int, ...]
+
+    def member(self, world_rank: int) -> Optional[int]:
+        """``world_rank``'s index in the group, or None."""
+        return self.ranks.index(world_rank) if world_rank in self.ranks else None
+
+
+def group_plans(topo) -> List[GroupPlan]:
+    """Every group of every tier, in the order every rank creates them (collective creation must agree): one
+    ``intra`` per node, ``inter`` (the node leaders), with racks one ``rack`` group per rack (its node leaders)
+    and ``spine`` (the rack leaders, the only ranks that cross racks), then ``world``."""
+    node_of = [topo.node_of(r) for r in range(topo.size)]
+    rack_of = [topo.rack_of(n) for n in node_of]
+
+    def plan(tier, index, ranks):
+        ranks = tuple(ranks)
+        return GroupPlan(tier, index, ranks, tuple(node_of[r] for r in ranks), tuple(rack_of[r] for r in ranks))
+    plans = [plan("intra", n, ranks) for n, ranks in enumerate(topo.node_ranks)] + [plan("inter", 0, topo.leaders)]
+    if topo.rack_nodes:
+        plans += [plan("rack", r, [topo.node_ranks[n][0] for n in nodes]) for r, nodes in enumerate(topo.racks)]
+        plans.append(plan("spine", 0, topo.rack_leaders))
+    return plans + [plan("world", 0, range(topo.size))]
+
+
+def build_groups(topo, backend: str, make: Callable[[GroupPlan, Optional[int]], Optional[Communicator]]) -> "Groups":
+    """Call ``make(plan, my_index)`` for every :func:`group_plans` entry in order (``my_index`` None where this
+    rank is not a member: collective transports still create the group) and collect this rank's groups."""
+    mine: dict = {}
+    for plan in group_plans(topo):
+        index = plan.member(topo.rank)
+        comm = make(plan, index)
+        if index is not None:
+            mine[plan.tier] = comm
+    return Groups(world=mine["world"], intra=mine["intra"], inter=mine.get("inter"), backend=backend,
+                  rack=mine.get("rack"), spine=mine.get("spine"))
+
+
 @dataclass
 class Groups:
-    """The three groups of one backend, ChainerMN style. ``inter`` is ``None`` on non-leaders."""
+    """The groups of one backend, ChainerMN style. ``inter`` is ``None`` on non-leaders. With racks
+    (``topo.rack_nodes``), ``rack`` is the node leaders of my rack and ``spine`` the rack leaders (``None`` where
+    this rank is not a member, and everywhere without racks)."""
     world: Communicator
     intra: Communicator
     inter: Optional[Communicator]
     backend: str
+    rack: Optional[Communicator] = None
+    spine: Optional[Communicator] = None
 
     def leaders_then_node_(self, tensor: torch.Tensor, op: str, num_nodes: int) -> torch.Tensor:
         """The hierarchy's one pattern, in place: the leaders combine ``tensor`` across the ``num_nodes`` nodes

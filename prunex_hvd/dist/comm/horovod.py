@@ -13,7 +13,7 @@ from typing import List
 
 import torch
 
-from .base import Communicator, Groups, staged_on_cpu
+from .base import Communicator, Groups, build_groups, staged_on_cpu
 
 def _hvd():
     import horovod.torch as hvd
@@ -132,14 +132,8 @@ def _process_set(ranks):
 
 
 def make_groups(topo, control, ledger=None) -> Groups:
-    nodes_of = [topo.node_of(r) for r in range(topo.size)]
-    intra = None
-    for node, ranks in enumerate(topo.node_ranks):  # every rank adds every set, in the same order
-        ps = _process_set(ranks)
-        if node == topo.node:
-            intra = HorovodCommunicator(ps, "intra", ranks, [node] * len(ranks), topo.local_rank, ledger)
-    ps = _process_set(topo.leaders)
-    inter = (HorovodCommunicator(ps, "inter", topo.leaders, range(topo.num_nodes), topo.node, ledger)
-             if topo.is_leader else None)
-    world = HorovodCommunicator(_hvd().global_process_set, "world", range(topo.size), nodes_of, topo.rank, ledger)
-    return Groups(world=world, intra=intra, inter=inter, backend="horovod")
+    def make(plan, index):   # every rank adds every set, in the same order
+        ps = _process_set(plan.ranks)
+        return None if index is None else HorovodCommunicator(ps, plan.tier, plan.ranks, plan.nodes, index, ledger,
+                                                              racks=plan.racks)
+    return build_groups(topo, "horovod", make)

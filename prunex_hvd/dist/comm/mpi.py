@@ -11,7 +11,7 @@ from typing import List
 import numpy as np
 import torch
 
-from .base import Communicator, Groups, staged_on_cpu
+from .base import Communicator, Groups, build_groups, group_plans, staged_on_cpu
 
 def _buf(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()  # shares memory with the tensor: no copy
@@ -114,13 +114,15 @@ def make_groups(topo, ledger=None) -> Groups:
     if world.Get_size() != topo.size:
         raise RuntimeError(f"MPI world has {world.Get_size()} ranks but the job has {topo.size}: "
                            "the mpi backend needs a launch by mpirun/srun (use gloo or horovod otherwise)")
-    nodes_of = [topo.node_of(r) for r in range(topo.size)]
-    world_c = MPICommunicator(world.Dup(), "world", range(topo.size), nodes_of, topo.rank, ledger)
-    intra = world.Split(color=topo.node, key=topo.local_rank)
-    intra_c = MPICommunicator(intra, "intra", topo.local_ranks, [topo.node] * topo.local_size,
-                              topo.local_rank, ledger)
-    inter = world.Split(color=0 if topo.is_leader else MPI.UNDEFINED, key=topo.node)
-    inter_c = None
-    if topo.is_leader:
-        inter_c = MPICommunicator(inter, "inter", topo.leaders, range(topo.num_nodes), topo.node, ledger)
-    return Groups(world=world_c, intra=intra_c, inter=inter_c, backend="mpi")
+    mine = {p.tier: p for p in group_plans(topo) if p.member(topo.rank) is not None}
+    splits = {"world": world.Dup()}   # one Split per tier, every rank coloured by its group of the tier
+
+    def make(plan, index):
+        if plan.tier not in splits:
+            my = mine.get(plan.tier)
+            splits[plan.tier] = world.Split(color=MPI.UNDEFINED if my is None else my.index,
+                                            key=0 if my is None else my.member(topo.rank))
+        if index is None:
+            return None
+        return MPICommunicator(splits[plan.tier], plan.tier, plan.ranks, plan.nodes, index, ledger, racks=plan.racks)
+    return build_groups(topo, "mpi", make)

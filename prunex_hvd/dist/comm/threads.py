@@ -27,7 +27,7 @@ import torch
 
 from ..topology import Topology, group_nodes
 from .accounting import CommLedger
-from .base import Communicator, Groups
+from .base import Communicator, Groups, build_groups, group_plans
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -141,35 +141,31 @@ class ThreadRank:
 
 class ThreadCluster:
     """M nodes × P ranks in one process: ``cluster[r]`` is rank r's :class:`ThreadRank`. Each rank must run
-    in a thread of its own (``tests/threaded.py``'s ``run_ranks``); groups are built like
-    :func:`prunex_hvd.dist.comm.mpi.make_groups`: world, the node's ranks, the leaders (``None`` on non-leaders)."""
+    in a thread of its own (``tests/threaded.py``'s ``run_ranks``); groups are every backend's
+    (:func:`~prunex_hvd.dist.comm.base.group_plans`): world, the node's ranks, the leaders (``None`` on
+    non-leaders), and with ``nodes_per_rack`` the rack and spine groups."""
 
     def __init__(self, num_nodes: int, local_size: int, timeout: float = DEFAULT_TIMEOUT_S,
-                 keep_records: bool = False):
+                 keep_records: bool = False, nodes_per_rack: Optional[int] = None):
         if num_nodes < 1 or local_size < 1:
             raise ValueError(f"a thread cluster needs at least 1 node × 1 rank, got {num_nodes} × {local_size}")
         self.timeout = timeout
         self.abort_reason: Optional[str] = None
         self._lock = threading.Lock()
         size = num_nodes * local_size
-        reports = [(r // local_size, None) for r in range(size)]
+        reports = [(r // local_size, None, nodes_per_rack, None) for r in range(size)]
         topos = [group_nodes(r, reports, launcher="single", grouping="threads") for r in range(size)]
-        t0 = topos[0]
-        self._meetings = {"world": _Rendezvous(self, "world", size),
-                          "inter": _Rendezvous(self, "inter", num_nodes)}
-        self._meetings.update({f"intra{n}": _Rendezvous(self, f"intra (node {n})", local_size)
-                               for n in range(num_nodes)})
-        nodes_of = [t0.node_of(r) for r in range(size)]
+        self._meetings = {(p.tier, p.index): _Rendezvous(self, f"{p.tier} ({p.index})", len(p.ranks))
+                          for p in group_plans(topos[0])}
         self.ranks: List[ThreadRank] = []
         for topo in topos:
             ledger = CommLedger(keep_records=keep_records)
-            world = ThreadCommunicator(self._meetings["world"], "world", range(size), nodes_of, topo.rank, ledger)
-            intra = ThreadCommunicator(self._meetings[f"intra{topo.node}"], "intra", topo.local_ranks,
-                                       [topo.node] * local_size, topo.local_rank, ledger)
-            inter = ThreadCommunicator(self._meetings["inter"], "inter", topo.leaders, range(num_nodes), topo.node,
-                                       ledger) if topo.is_leader else None
-            self.ranks.append(ThreadRank(topo, Groups(world=world, intra=intra, inter=inter, backend="threads"),
-                                         ledger))
+
+            def make(plan, index, ledger=ledger):
+                return None if index is None else ThreadCommunicator(
+                    self._meetings[plan.tier, plan.index], plan.tier, plan.ranks, plan.nodes, index, ledger,
+                    racks=plan.racks)
+            self.ranks.append(ThreadRank(topo, build_groups(topo, "threads", make), ledger))
 
     def __len__(self) -> int:
         return len(self.ranks)
@@ -195,7 +191,8 @@ class ThreadCluster:
 
 
 def thread_cluster(num_nodes: int, local_size: int, timeout: float = DEFAULT_TIMEOUT_S,
-                   keep_records: bool = False) -> ThreadCluster:
+                   keep_records: bool = False, nodes_per_rack: Optional[int] = None) -> ThreadCluster:
     """``num_nodes`` × ``local_size`` ranks for threads of this process, each with its own ledger
-    (``keep_records=True`` keeps every record). A collective waiting ``timeout`` seconds aborts the cluster."""
-    return ThreadCluster(num_nodes, local_size, timeout, keep_records)
+    (``keep_records=True`` keeps every record); ``nodes_per_rack`` groups the nodes into racks. A collective
+    waiting ``timeout`` seconds aborts the cluster."""
+    return ThreadCluster(num_nodes, local_size, timeout, keep_records, nodes_per_rack)

@@ -1,0 +1,34 @@
+"""The rack tier's groups on a real launch: 8 ranks as 2 racks × 2 nodes × 2 (PRUNEX_RANKS_PER_NODE=2,
+PRUNEX_NODES_PER_RACK=2). Each rank sums its rank over its rack group (node leaders of the rack), the spine
+(rack leaders) and the world, checks the sums, and writes OUT/rank{R}.json with its topology and the ledger."""
+import argparse
+
+import torch
+
+import worker_io
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    import prunex_hvd as px
+    topo = px.init(backend=a.backend)
+    g = px.comm.groups()
+    members = {}
+    for tier in ("rack", "spine", "world"):
+        comm = getattr(g, tier)
+        if comm is None:
+            continue
+        t = torch.full((1000,), float(topo.rank))
+        comm.allreduce_(t, "sum")
+        if not t.eq(float(sum(comm.ranks))).all():
+            raise AssertionError(f"{tier}: got {t[0].item()}, want the sum of ranks {list(comm.ranks)}")
+        members[tier] = list(comm.ranks)
+    worker_io.report(a.out, topo.rank, {"topology": topo.as_dict(), "members": members,
+                                        "ledger": px.comm.summary()}, len(members))
+
+
+if __name__ == "__main__":
+    worker_io.run(main, "rack")
