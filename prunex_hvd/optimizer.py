@@ -370,6 +370,10 @@ def check_wrapping(optimizer, model, bucket_mb=None) -> list:
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     refuse_data_parallel(model)
+    sparse = [n for n, m in model.named_modules() if getattr(m, "sparse", False) is True]
+    if sparse:
+        raise ValueError(f"modules with sparse gradients ({', '.join(sparse[:5])}): the wrappers exchange dense "
+                         "tensors; build them with sparse=False")
     if bucket_mb is not None:   # methods without buckets pass none
         check_bucket_mb(bucket_mb)
     model_params = {id(p) for p in model.parameters()}

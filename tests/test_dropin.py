@@ -240,3 +240,9 @@ def test_horovods_compression_and_op():
 def test_horovods_other_arguments_are_refused_clearly(kw, message):
     with pytest.raises(ValueError, match=message):
         wrapped(toy_cnn(0), **kw)
+
+
+def test_sparse_gradients_are_refused_naming_the_module():
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"modules with sparse gradients \(0\).*sparse=False"):
+        px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sparsity={})
