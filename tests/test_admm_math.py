@@ -6,6 +6,19 @@ from prunex_hvd.engine import admm
 from prunex_hvd.engine.buckets import BucketLayout
 
 
+def _argmin(f, shape):
+    y = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([y], lr=1, max_iter=200, tolerance_grad=1e-14, tolerance_change=1e-16)
+
+    def closure():
+        opt.zero_grad()
+        loss = f(y)
+        loss.backward()
+        return loss
+    opt.step(closure)
+    return y.detach()
+
+
 @pytest.mark.parametrize("P,M,lam", [(1, 1, 0.0), (2, 2, 0.0), (4, 3, 0.7)])
 def test_node_candidate_is_the_argmin(P, M, lam):
     g = torch.Generator().manual_seed(P * 10 + M)
@@ -21,16 +34,7 @@ def test_node_candidate_is_the_argmin(P, M, lam):
     f(x).backward()
     assert x.grad.abs().max() < 1e-10
     # ... and a numerical minimisation from elsewhere lands on it
-    y = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([y], lr=1, max_iter=200, tolerance_grad=1e-14, tolerance_change=1e-16)
-
-    def closure():
-        opt.zero_grad()
-        loss = f(y)
-        loss.backward()
-        return loss
-    opt.step(closure)
-    torch.testing.assert_close(y.detach(), cand, rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(_argmin(f, shape), cand, rtol=1e-8, atol=1e-8)
     # the paper's printed Eq. 9 (no P in the normaliser) is not the argmin once P > 1
     if P > 1:
         wrong = (rho1 * sum(t + u for t, u in zip(thetas, us)) + rho2 * (z - v)) / (lam / M + rho1 + rho2)
@@ -64,19 +68,6 @@ def test_bucket_layout_packs_by_size_and_keeps_big_tensors_whole():
     layout.views[1].fill_(7)
     assert layout.buffers[0][10:30].eq(7).all() and layout.place[3] == (2, 0)
     assert layout.total_numel == 165
-
-
-def _argmin(f, shape):
-    y = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([y], lr=1, max_iter=200, tolerance_grad=1e-14, tolerance_change=1e-16)
-
-    def closure():
-        opt.zero_grad()
-        loss = f(y)
-        loss.backward()
-        return loss
-    opt.step(closure)
-    return y.detach()
 
 
 @pytest.mark.parametrize("N", [1, 2, 3])
