@@ -49,7 +49,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._local_steps = config.local_steps
         self._step_count_local = 0
         self._synchronized = False   # synchronize() averaged this step's gradients over the node already
-        self._step_supports_amp_scaling = True   # over whatever the user's class set (see the class attribute)
         groups = comm_groups(config.backend)
         if not config.hierarchical:   # PruneX (AR): one consensus group over the world, no leaders' tier
             topo, groups = topo.flattened(), Groups(
@@ -61,6 +60,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # torch.amp.GradScaler then calls step() on every iteration, inf or not, with ``grad_scale`` / ``found_inf``
     # set on the optimizer: a rank skipping a step must still count it, or the ranks' rounds drift apart
     _step_supports_amp_scaling = True
+    _SCALER_STATE = ("grad_scale", "found_inf")
 
     def step(self, closure=None):
         """One local step: (1) with a GradScaler, unscale the gradients; (2) ``node_sync``: average them over the
@@ -94,7 +94,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self.consensus()
             return loss
         except BaseException:   # GradScaler removes its state only after a step that returned
-            for k in ("grad_scale", "found_inf"):
+            for k in self._SCALER_STATE:
                 self.__dict__.pop(k, None)
             raise
 
@@ -138,7 +138,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _scaler_state_hidden(self):
         """The user's optimizer steps on gradients already unscaled and checked: it must not see the scaler's
         ``grad_scale`` / ``found_inf`` (a plain SGD refuses them, a fused one would unscale again)."""
-        saved = {k: self.__dict__.pop(k) for k in ("grad_scale", "found_inf") if k in self.__dict__}
+        saved = {k: self.__dict__.pop(k) for k in self._SCALER_STATE if k in self.__dict__}
         try:
             yield
         finally:

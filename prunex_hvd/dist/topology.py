@@ -166,10 +166,7 @@ def group_nodes(rank: int, reports: Sequence[tuple], launcher: str, grouping: st
         grouping = "override"
     else:
         keys = [r[0] for r in reports]
-    members = {}
-    for r, k in enumerate(keys):
-        members.setdefault(k, []).append(r)
-    node_ranks = tuple(tuple(rs) for rs in sorted(members.values(), key=lambda rs: rs[0]))
+    node_ranks = _groups_by_key(keys)
     counts = {len(rs) for rs in node_ranks}
     if len(counts) > 1:
         detail = "; ".join(f"node {i}: {len(rs)} rank{'s' if len(rs) > 1 else ''} ({_fmt_ranks(rs)})"
@@ -182,6 +179,14 @@ def group_nodes(rank: int, reports: Sequence[tuple], launcher: str, grouping: st
                     local_size=len(node_ranks[node]), node=node, num_nodes=len(node_ranks),
                     node_ranks=node_ranks, launcher=launcher, grouping=grouping,
                     rack_nodes=_group_racks(node_ranks, [r[2] for r in reports], [r[3] for r in reports]))
+
+
+def _groups_by_key(keys: Sequence[Hashable]) -> Tuple[Tuple[int, ...], ...]:
+    """The indices sharing each key, in index order; the groups numbered by their lowest index."""
+    members = {}
+    for i, k in enumerate(keys):
+        members.setdefault(k, []).append(i)
+    return tuple(tuple(ms) for ms in sorted(members.values(), key=lambda ms: ms[0]))
 
 
 def _agreed_override(values: Sequence[Optional[int]], name: str, env: str) -> Optional[int]:
@@ -213,10 +218,7 @@ def _group_racks(node_ranks, overrides, keys) -> Tuple[Tuple[int, ...], ...]:
                                     f"(SLURM_TOPOLOGY_ADDR's switches: {sorted(map(str, seen))}); set "
                                     f"nodes_per_rack / {ENV_NODES_PER_RACK}")
             node_key.append(seen.pop())
-        members = {}
-        for i, k in enumerate(node_key):
-            members.setdefault(k, []).append(i)
-        racks = tuple(tuple(ns) for ns in sorted(members.values(), key=lambda ns: ns[0]))
+        racks = _groups_by_key(node_key)
     else:
         return ()
     if len({len(ns) for ns in racks}) > 1:
