@@ -144,7 +144,11 @@ def snapshot(eng):
             "round_buffers": {n: b.cpu().clone() for (n, _), b in zip(eng.buffers, eng._round_buffers)},
             "ef": {e.name: e.ef.cpu().clone() for e in eng.entries if e.ef is not None},
             "buffer_ef": {n: ef.cpu().clone() for (n, _), ef in zip(eng.buffers, eng._buffer_ef)},
-            "frozen": eng.frozen}
+            "frozen": eng.frozen,
+            # three tiers (racks): the rank's rack consensus, its dual and ρ3
+            "w": {e.name: e.w.cpu().clone() for e in eng.entries if e.w is not None},
+            "t": {e.name: e.t.cpu().clone() for e in eng.entries if e.t is not None},
+            "rho3": {e.name: e.rho3 for e in eng.entries}}
 
 
 def compare(name, got, want, rtol=1e-4, atol=1e-6, ulp=None):
@@ -169,7 +173,8 @@ def expected_round(rnd, before, after, node_ranks, eng):
                            couplings=eng.couplings, streams=eng.streams, restart=c.restart,
                            relaxation=c.relaxation, rho_growth=c.rho_growth,
                            round_specs={n: ramped_spec(s, rnd + 1, c.keep_ramp_rounds) for n, s in specs.items()},
-                           payload=eng.payload_dtype if eng.delta_coded else None)
+                           payload=eng.payload_dtype if eng.delta_coded else None,
+                           racks=[list(r) for r in eng.topo.racks] if eng.rack_tier else None)
 
 
 def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buffers=True):
@@ -180,8 +185,18 @@ def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buff
     it, and the compact (rows, cols) per layer."""
     want = want or expected_round(rnd, before, after, node_ranks, eng)
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
+    rack_of = {i: k for k, nodes in enumerate(eng.topo.racks) for i in nodes} if eng.rack_tier else None
     for r, got in enumerate(after):
         node = node_of[r]
+        for name in got["w"] if rack_of else ():   # every rank of a rack holds its w_r, t_r
+            compare(f"round {rnd} rank {r} w[{name}]", got["w"][name], want["w"][rack_of[node]][name])
+            compare(f"round {rnd} rank {r} t[{name}]", got["t"][name], want["t"][rack_of[node]][name])
+            # a tier in exact agreement (a conv bias before BatchNorm has no gradient) balances float32 rounding
+            # noise against noise: there ρ3's step may go either way
+            noise = max(want["residuals"][name][4:6]) < 1e-6
+            assert got["rho3"][name] == want["rho3"][name] or noise, (rnd, r, name, got["rho3"][name],
+                                                                       want["rho3"][name])
+        assert bool(got["w"]) == bool(rack_of), f"rank {r}: rack state {'missing' if rack_of else 'unexpected'}"
         for name in got["theta"]:
             ulp = want["ulp"].get(name)   # a narrow payload: z (and so v, θ after a restart) may round apart
             compare(f"round {rnd} rank {r} u[{name}]", got["u"][name], want["u"][r][name])
@@ -340,13 +355,15 @@ def live_channels(w, dim):
 def engine_stats(eng):
     """The part of ``DistributedOptimizer.stats()`` that :func:`check_results` reads, from the engine."""
     return {"inter_bytes": eng.bytes["inter"], "inter_consensus_bytes": eng.bytes["inter_consensus"],
+            "cross_rack_bytes": eng.bytes["cross_rack"],
             "dense_inter_bytes": eng.bytes["dense_inter"], "layer_density": eng.layer_density()}
 
 
 def rank_result(eng, model, topo, reports, stats, ledger_summary):
     """One rank's result after ``finalize()``, JSON-ready; rank 0's also gets ``checks`` and ``ref_rounds``
     (from :func:`check_round`) before :func:`check_results` reads it."""
-    return {"rank": topo.rank, "topology": topo.as_dict(), "reports": reports, "stats": stats,
+    return {"rank": topo.rank, "topology": topo.as_dict(), "rack_tier": eng.rack_tier, "reports": reports,
+            "stats": stats,
             "ledger": ledger_summary,
             "compact": {e.name: [int(e.rows.sum()), int(e.cols.sum())] for e in eng.structured},
             "couplings": eng.couplings, "streams": [list(map(list, s)) for s in eng.streams],
@@ -371,6 +388,45 @@ def ring_allreduce_bytes(payload, members):
     return 2 * (members - 1) * payload // members
 
 
+def check_rack_ledger(res, per_round, masks, residuals, mask_itemsize=1):
+    """Three tiers: what one rank put on each tier's groups over the run, exactly. The node leaders sum the
+    compact payload over their rack and pass z's payload down it; the rack leaders alone average it (and OR the
+    masks, sum the residuals) across the spine, which is all that crosses racks; nobody uses the flat leaders'
+    group. Every hop of a rack or spine group leaves its node (one member per node). ``masks``: the OR's bytes
+    (``mask_itemsize`` a value); the way down carries them as uint8."""
+    rank, topo, ledger = res["rank"], res["topology"], res["ledger"]
+    consensus = sum(per_round)
+    by_op = {tier: {op: v["payload_bytes"] for op, v in ledger[tier].get("by_op", {}).items()}
+             for tier in ("rack", "spine")}
+    assert ledger["inter"]["ops"] == 0, f"rank {rank}: the flat leaders' group was used"
+    if topo["is_leader"]:
+        assert by_op["rack"] == {"allreduce[consensus]": consensus, "broadcast[consensus]": consensus,
+                                 "bor[masks]": masks, "broadcast[masks]": masks // mask_itemsize,
+                                 "allreduce[residuals]": residuals,
+                                 "broadcast[residuals]": residuals}, f"rank {rank}: {by_op['rack']}"
+    else:
+        assert ledger["rack"]["ops"] == 0, f"rank {rank}"
+    if topo["is_rack_leader"]:
+        assert by_op["spine"] == {"allreduce[consensus]": consensus, "bor[masks]": masks,
+                                  "allreduce[residuals]": residuals}, f"rank {rank}"
+    else:
+        assert ledger["spine"]["ops"] == 0 and ledger["total"]["cross_rack_bytes"] == 0, f"rank {rank}"
+    for tier in ("rack", "spine"):
+        assert ledger[tier]["cross_node_bytes"] == ledger[tier]["wire_bytes"], f"rank {rank} {tier}"
+    assert ledger["total"]["cross_node_bytes"] == ledger["rack"]["wire_bytes"] + ledger["spine"]["wire_bytes"]
+    assert ledger["total"]["cross_rack_bytes"] == ledger["spine"]["cross_rack_bytes"] == ledger["spine"]["wire_bytes"]
+    if topo["num_racks"] == 2 and topo["is_rack_leader"]:   # two rack leaders: all of it crosses once
+        assert ledger["spine"]["cross_rack_bytes"] == consensus + masks + residuals
+    assert res["stats"]["cross_rack_bytes"] == ledger["total"]["cross_rack_bytes"]
+    assert res["stats"]["inter_bytes"] == ledger["total"]["cross_node_bytes"]
+    if topo["is_leader"]:   # the consensus exchange as the ring model puts it: rack sum, spine average, way down
+        nodes = topo["rack_nodes"][topo["rack"]]
+        last_of_chain = nodes.index(topo["node"]) == len(nodes) - 1   # a broadcast's last member sends nothing
+        want = [ring_allreduce_bytes(p, len(nodes)) + (0 if last_of_chain else p)
+                + topo["is_rack_leader"] * ring_allreduce_bytes(p, topo["num_racks"]) for p in per_round]
+        assert res["stats"]["inter_consensus_bytes"] == sum(want), f"rank {rank}"
+
+
 def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), payload_bytes=FLOAT_BYTES):
     """What every rank reported after ``ROUNDS`` rounds on M nodes × P ranks: the reference checks ran; the
     leaders' inter-node payload is exactly the compact sizes (plus masks and the residual sum) while non-leaders
@@ -389,13 +445,17 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
     mask_bytes = sum(shapes[n][0] + shapes[n][1] * shapes[n][2] * shapes[n][3] for n in specs) * mask_itemsize
     per_round = [payload_bytes * (dense_numel + sum(r * c for r, c in rr["compact"].values())) for rr in ref_rounds]
     unfrozen = sum(not rr["frozen_before"] for rr in ref_rounds)
-    # per-layer residual sums (float64) + each rank's round, step count, inf/NaN flag + per-layer inf/NaN flags
-    residuals = ROUNDS * (len(numels) * 3 + size * 3 + len(numels) + 1) * 8
+    # per-layer residual sums (float64; 5 a layer with racks) + each rank's round, step count, inf/NaN flag +
+    # per-layer inf/NaN flags
+    width = 5 if results[0]["rack_tier"] else 3
+    residuals = ROUNDS * (len(numels) * width + size * 3 + len(numels) + 1) * 8
     dense_round = FLOAT_BYTES * (sum(numels.values()) + results[0]["buffer_numel"])
     for res in results:
         rank, leader = res["rank"], res["topology"]["is_leader"]
         inter = res["ledger"]["inter"]
-        if leader:
+        if res["rack_tier"]:
+            check_rack_ledger(res, per_round, unfrozen * mask_bytes, residuals, mask_itemsize)
+        elif leader:
             by_op = {op: v["payload_bytes"] for op, v in inter.get("by_op", {}).items()}
             if num_nodes > 1:
                 assert by_op == {"allreduce[consensus]": sum(per_round), "bor[masks]": unfrozen * mask_bytes,
@@ -409,7 +469,8 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
             assert res["stats"]["dense_inter_bytes"] == ROUNDS * ring_allreduce_bytes(dense_round, num_nodes)
         else:
             assert inter["ops"] == 0 and res["stats"]["inter_bytes"] == 0, f"non-leader {rank} sent inter-node"
-        assert res["ledger"]["total"]["cross_node_bytes"] == (inter["cross_node_bytes"] if leader else 0)
+        if not res["rack_tier"]:
+            assert res["ledger"]["total"]["cross_node_bytes"] == (inter["cross_node_bytes"] if leader else 0)
         assert res["ledger"]["world"]["ops"] == 0
         # after finalize(): exactly the requested structure
         for name, spec in specs.items():

@@ -117,9 +117,22 @@ def _payload_average(sent):
     return total.div_(len(sent)).float()
 
 
+def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support):
+    """The rack and global steps of one entry, on the global ``support``: w_r = (ρ2·Σ_{i∈r}(z_i + v_i) +
+    ρ3·(z − t_r)) / (N·ρ2 + ρ3), z = mean_r(w_r + t_r). Returns (w, t, w_old per rack, z)."""
+    d = lambda x: x.double()  # noqa: E731
+    rho2, rho3, N = states[0]["rho2"][name], states[0]["rho3"][name], len(racks[0])
+    leader = [node_ranks[nodes[0]][0] for nodes in racks]   # a rank of the rack, holding its w_r and t_r
+    t = [d(states[r]["t"][name]) for r in leader]
+    w_old = [d(states[r]["w"][name]) for r in leader]
+    w = [support * (rho2 * sum(z_i[i] + v[i] for i in nodes) + rho3 * (z_old - t[k])) / (N * rho2 + rho3)
+         for k, nodes in enumerate(racks)]
+    return w, t, w_old, torch.stack([w[k] + t[k] for k in range(len(racks))]).mean(0) * support
+
+
 def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, freezes=False,
                     couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0, round_specs=None,
-                    payload=None):
+                    payload=None, racks=None):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
     frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers, and θ
     per rank (where ``restart`` moves it). ``freezes``: the masks freeze at the end of this round, cut to the
@@ -128,13 +141,17 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
     this round projects onto (a keep ramp), ``specs`` by default. ``payload`` (a torch dtype narrower than
     float32, M > 1): what the leaders send is rounded(z_i + v_i − z_old + e_i) on the support, e_i their
     leftover rounding error (``ef``, ``buffer_ef`` in the states, returned updated), added up in node order in
-    the payload's dtype, averaged, and added to z_old (the float buffers likewise against ``round_buffers``)."""
+    the payload's dtype, averaged, and added to z_old (the float buffers likewise against ``round_buffers``).
+    ``racks`` (the nodes of every rack; docs/algorithm.md, "A third tier: racks"): three tiers, z_i answering to
+    its rack's w_r (``w``, ``t``, ``rho3`` in the states, returned per rack); no payload or relaxation there."""
     M, P = len(node_ranks), len(node_ranks[0])
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
+    rack_of = {i: k for k, nodes in enumerate(racks or ()) for i in nodes}
+    assert not racks or (payload is None and relaxation == 1.0)
     frozen = states[0]["frozen"]
     out = {"u": [{} for _ in states], "z_i": [{} for _ in range(M)], "v": [{} for _ in range(M)], "z": {},
            "rho1": {}, "rho2": {}, "masks": {}, "sent_masks": {}, "buffers": {}, "residuals": {}, "ef": {},
-           "buffer_ef": {}, "ulp": {}}
+           "buffer_ef": {}, "ulp": {}, "w": [{} for _ in racks or ()], "t": [{} for _ in racks or ()], "rho3": {}}
     d = lambda t: t.double()  # noqa: E731
     couplings = couplings or {}
     alpha = relaxation
@@ -147,7 +164,8 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
         cands[name] = []
         for i, ranks in enumerate(node_ranks):
             node_sum = sum(relaxed_theta[name][r] + d(states[r]["u"][name]) for r in ranks)
-            cands[name].append((rho1 * node_sum + rho2 * (z_old - d(states[ranks[0]]["v"][name])))
+            upper = d(states[ranks[0]]["w"][name]) if racks else z_old   # the consensus z_i answers to
+            cands[name].append((rho1 * node_sum + rho2 * (upper - d(states[ranks[0]]["v"][name])))
                                / (weight_decay_z / M + P * rho1 + rho2))
     projected = [reference_masks({n: cands[n][i].float() for n in specs}, round_specs or specs, couplings, streams)
                  for i in range(M)]
@@ -170,7 +188,10 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             support = torch.outer(rows, cols).reshape(z_old.shape).double()
         v = [d(states[ranks[0]]["v"][name]) for ranks in node_ranks]
         relaxed_z_i = [alpha * z_i[i] + (1 - alpha) * z_old for i in range(M)]
-        if payload is None:
+        if racks:
+            w, t, w_old, z = _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support)
+            upper = [w[rack_of[i]] for i in range(M)]
+        elif payload is None:
             z = torch.stack([relaxed_z_i[i] + v[i] for i in range(M)]).mean(0) * support
         else:
             sent, out["ef"][name] = _rounded_changes([(relaxed_z_i[i] + v[i]).float() for i in range(M)],
@@ -185,27 +206,45 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
                                 for r in range(len(states))))
         s_intra = rho1 * math.sqrt(sum(float((z_i[node_of[r]] - d(states[r]["z_i"][name])).pow(2).sum())
                                        for r in range(len(states))))
-        r_inter = math.sqrt(sum(float((z_i[i] - z).pow(2).sum()) for i in range(M)))
-        s_inter = rho2 * math.sqrt(sum(float((z - z_old).pow(2).sum()) for _ in range(M)))
+        if not racks:
+            upper = [z] * M
+        r_inter = math.sqrt(sum(float((z_i[i] - upper[i]).pow(2).sum()) for i in range(M)))
+        if racks:   # ρ2's tier: nodes against their rack (N copies of each w_r); ρ3's: racks against z
+            N, R = len(racks[0]), len(racks)
+            s_inter = rho2 * math.sqrt(sum(N * float((w[k] - w_old[k]).pow(2).sum()) for k in range(R)))
+            r_spine = math.sqrt(sum(float((w[k] - z).pow(2).sum()) for k in range(R)))
+            s_spine = states[0]["rho3"][name] * math.sqrt(R * float((z - z_old).pow(2).sum()))
+        else:
+            s_inter = rho2 * math.sqrt(sum(float((z - z_old).pow(2).sum()) for _ in range(M)))
         new1 = _adapt(rho1, r_intra, s_intra, rho_max) if adaptive else rho1
         # one node: no inter-node tier to balance (r_inter is 0 by construction)
         new2 = _adapt(rho2, r_inter, s_inter, rho_max) if adaptive and M > 1 else rho2
         new1 = min(new1 * rho_growth, rho_max)
         new2 = min(new2 * rho_growth, rho_max) if M > 1 else new2
+        if racks:
+            rho3 = states[0]["rho3"][name]
+            new3 = min((_adapt(rho3, r_spine, s_spine, rho_max) if adaptive else rho3) * rho_growth, rho_max)
+            out["rho3"][name] = new3
+            for k in range(len(racks)):
+                out["w"][k][name] = w[k].float()
+                out["t"][k][name] = ((t[k] + w[k] - z) * (rho3 / new3)).float()
         for i in range(M):
             out["z_i"][i][name] = z_i[i].float()
-            out["v"][i][name] = ((v[i] + relaxed_z_i[i] - z) * (rho2 / new2)).float()
+            out["v"][i][name] = ((v[i] + relaxed_z_i[i] - upper[i]) * (rho2 / new2)).float()
         for r, s in enumerate(states):
             out["u"][r][name] = ((d(s["u"][name]) + relaxed_theta[name][r] - z_i[node_of[r]])
                                  * (rho1 / new1)).float()
         out["z"][name] = z.float()
         out["rho1"][name], out["rho2"][name] = new1, new2
-        out["residuals"][name] = (r_intra, s_intra) + ((r_inter, s_inter) if M > 1 else ())
+        out["residuals"][name] = (r_intra, s_intra) + ((r_inter, s_inter) if M > 1 else ()) + \
+            ((r_spine, s_spine) if racks else ())
     if freezes:
         for name, (rows, cols) in reference_masks({n: out["z"][n] for n in specs}, specs, couplings,
                                                   streams).items():
             out["masks"][name] = (rows, cols)
             out["z"][name] = out["z"][name] * torch.outer(rows, cols).reshape(out["z"][name].shape)
+            for w in out["w"]:   # with racks, w_r is cut to the frozen structure as z is
+                w[name] = w[name] * torch.outer(rows, cols).reshape(w[name].shape)
     for name in states[0]["buffers"]:
         if payload is None:
             out["buffers"][name] = torch.stack([d(s["buffers"][name]) for s in states]).mean(0).float()

@@ -21,6 +21,9 @@ KNOBS = ConsensusConfig.knob_names()
     ({"local_steps": True}, r"local_steps must be an integer >= 1"),
     ({"rho1": 0.0}, r"rho1 must be a finite number > 0, got 0\.0"),
     ({"rho_max": math.inf}, r"rho_max must be a finite number > 0"),
+    ({"rho3": -1.0}, r"rho3 must be a finite number > 0, got -1\.0"),
+    ({"rho3": True}, r"rho3 must be a finite number > 0, got True"),
+    ({"rack_tier": "yes"}, r"rack_tier must be True or False, got 'yes'"),
     ({"coupled": "yes"}, r"coupled must be False, True \(= 'pairs'\) or 'streams'"),
     ({"weight_decay_z": -1.0}, r"weight_decay_z must be >= 0"),
     ({"freeze_round": 0}, r"freeze_round must be None or an integer >= 1"),
@@ -78,7 +81,7 @@ def test_ranks_compare_every_knob():
                "masked_retrain": False, "coupled": True, "bucket_mb": 1.0, "backend": "gloo",
                "hierarchical": False, "restart": "node", "relaxation": 1.5, "rho_growth": 1.3,
                "keep_ramp_rounds": 4, "node_sync": True, "payload_dtype": "bf16", "overlap": True,
-               "overlap_steps": 2, "overlap_after_freeze": False}
+               "overlap_steps": 2, "overlap_after_freeze": False, "rho3": 0.1, "rack_tier": False}
     assert set(changed) == set(KNOBS)
     needs = {"overlap_steps": {"overlap": True}}   # a knob that only means something with another
     for name, value in changed.items():
@@ -93,7 +96,8 @@ def test_ranks_compare_every_knob():
                           freeze_patience="freezing", masked_retrain="freezing", restart="round",
                           relaxation="round", rho_growth="rho", keep_ramp_rounds="freezing",
                           node_sync="round", payload_dtype="round", overlap="round",
-                          overlap_steps="round", overlap_after_freeze="round").get(name, name)}), name
+                          overlap_steps="round", overlap_after_freeze="round", rho3="rho",
+                          rack_tier="round").get(name, name)}), name
         agreed = base.agreement(Structure.resolve(model, base))
 
 

@@ -95,6 +95,28 @@ def test_engine_horovodrun_bf16_payload(tmp_path):
     check(proc, tmp_path, CHANNEL, mask_itemsize=4, payload_bytes=4)
 
 
+RACK_ENV = ["PRUNEX_RANKS_PER_NODE=2", "PRUNEX_NODES_PER_RACK=2"]
+
+
+@needs_mpirun
+@pytest.mark.parametrize("backend,extra", [("mpi", []), ("gloo", ["--node-sync", "--coupled"])])
+def test_engine_mpirun_three_tiers(tmp_path, backend, extra):
+    """2 racks × 2 nodes × 2 ranks: every rank's u, z_i, v, w_r, t_r, z and ρ's against the three-tier reference
+    each round (the worker checks), and every tier's bytes exactly (check_results: the spine alone crosses
+    racks)."""
+    proc = run(mpirun(8, python_cmd("engine_worker.py", "--backend", backend, *extra, "--out", str(tmp_path)),
+                      RACK_ENV), timeout=300)
+    check_results(worker_results(proc, tmp_path, "engine", ranks=8), CHANNEL, couplings=PAIR if extra else None)
+
+
+@needs_horovod
+def test_engine_horovodrun_three_tiers(tmp_path):
+    proc = run(horovodrun(8, "localhost:4,127.0.0.1:4",
+                          python_cmd("engine_worker.py", "--backend", "horovod", "--out", str(tmp_path))),
+               env=dict(e.split("=") for e in RACK_ENV), timeout=300)
+    check_results(worker_results(proc, tmp_path, "engine", ranks=8), CHANNEL, mask_itemsize=4)
+
+
 @needs_mpirun
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for NCCL")

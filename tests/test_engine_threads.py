@@ -45,14 +45,15 @@ LEVER_RUNS = [((2, 2), "channel", "paper-round"), ((2, 3), "mixed", "paper-round
               ((2, 3), "mixed", "bf16"), ((2, 2), "coupled", "fp16-relaxed")]
 
 
-def train_on_threads(num_nodes, local_size, kind, sparsity, coupled, **knobs):
-    """Every rank's snapshots, final model and result after ``cases.ROUNDS`` rounds on the thread cluster."""
+def train_on_threads(num_nodes, local_size, kind, sparsity, coupled, nodes_per_rack=None, **knobs):
+    """Every rank's snapshots, final model and result after ``cases.ROUNDS`` rounds on the thread cluster
+    (``nodes_per_rack``: in racks)."""
     size = num_nodes * local_size
     models = [cases.make_model(kind, r) for r in range(size)]   # here: torch's global RNG is not thread-safe
     config = ConsensusConfig(sparsity=sparsity, coupled=coupled, **dict(cases.SETTINGS, **knobs))
     structure = Structure.resolve(models[0], config)
     native.module()   # load the shrink kernel before the ranks race to its first use
-    cluster = thread_cluster(num_nodes, local_size, keep_records=True)
+    cluster = thread_cluster(num_nodes, local_size, keep_records=True, nodes_per_rack=nodes_per_rack)
 
     def rank_run(rank):
         model = models[rank.topo.rank]

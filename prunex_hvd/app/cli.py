@@ -271,6 +271,8 @@ _FLAGS = {
                                "the bytes"),
     "overlap_steps": dict(type=int, help="with --overlap: fold each round's exchange in after this many of the "
                                          "next round's local steps (default: a quarter of a round)"),
+    "rho3": dict(type=float, help="with racks: pull of each rack's consensus toward the global z (default: "
+                                  "--rho2)"),
     "backend": dict(group="job"),
     "hierarchical": None,   # the method decides: prunex or prunex-flat
 }

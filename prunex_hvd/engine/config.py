@@ -114,6 +114,12 @@ class ConsensusConfig:
       (accuracy). ``rho2`` — pull of each node toward the global z; keep it ~10× smaller than rho1 so nodes
       can differ while their masks settle. ``adaptive_rho`` balances primal and dual residuals per layer (×/÷2
       when one is 10× the other, capped at ``rho_max``), which makes the defaults safe across models.
+    * ``rack_tier`` / ``rho3`` — with racks (``nodes_per_rack``, or Slurm's leaf switches) and more than one
+      rack, a consensus w_r per rack sits between the nodes' z_i and the global z (docs/algorithm.md, "A third
+      tier: racks"): nodes agree with their rack over the rack's switch (``rho2`` is then the pull toward w_r),
+      and only the rack leaders cross the spine, each with one compact payload (``rho3`` their pull toward
+      z; None: ``rho2``). ``rack_tier=False`` runs the two tiers over every node (the racks still count the
+      traffic that crosses them). Not yet with ``overlap``, a narrow ``payload_dtype`` or ``relaxation`` ≠ 1.
     * ``sparsity`` — the structure to keep: ``"filter:K"``, ``"channel:K"``, ``"shape:K"`` (K = fraction KEPT),
       joined with ``"+"`` (applied filter → channel → shape), or ``{name_glob: spec}`` per layer (``"dense"``
       excludes a layer). Only conv weights (4-D) are structured; the rest joins the consensus densely.
@@ -150,6 +156,8 @@ class ConsensusConfig:
     local_steps: int = _knob(100, "wrapped steps between consensus rounds")
     rho1: float = _knob(1.5e-3, "pull of each rank toward its node's consensus z_i", agree="rho")
     rho2: float = _knob(1.5e-4, "pull of each node toward the global consensus z", agree="rho")
+    rho3: Optional[float] = _knob(None, "with racks: pull of each rack's consensus toward the global z (None: "
+                                        "rho2)", agree="rho")
     rho_max: float = _knob(10.0, "cap of the adaptive rho's", agree="rho")
     adaptive_rho: bool = _knob(True, "balance primal and dual residuals per layer by rescaling rho", agree="rho")
     weight_decay_z: float = _knob(0.0, "ridge on the consensus z (the z-step's lambda)", agree="rho")
@@ -180,6 +188,9 @@ class ConsensusConfig:
     overlap_steps: Optional[int] = _knob(None, "with overlap: fold the exchange in after this many of the next "
                                                "round's local steps (None: a quarter of local_steps)",
                                          agree="round")
+    rack_tier: bool = _knob(True, "with racks (nodes_per_rack, more than one rack): a consensus per rack between the "
+                                  "nodes' and the global one (three tiers); off: two tiers over all nodes",
+                            agree="round")
     overlap_after_freeze: bool = _knob(True, "with overlap: overlap only the rounds after the masks freeze, those "
                                              "before blocking (off: every round from the first)",
                                        agree="round")
@@ -190,9 +201,9 @@ class ConsensusConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
         integer("local_steps", 1)
-        for name in ("rho1", "rho2", "rho_max"):
+        for name in ("rho1", "rho2", "rho_max") + (("rho3",) if self.rho3 is not None else ()):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if self.coupled not in COUPLING_MODES or type(self.coupled) not in (bool, str):
             raise ValueError(f"coupled must be False, True (= 'pairs') or 'streams', got {self.coupled!r}")
@@ -223,6 +234,8 @@ class ConsensusConfig:
                              "hierarchical=False every rank's dense θ + u is summed in the model's dtype")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
+        if not isinstance(self.rack_tier, bool):
+            raise ValueError(f"rack_tier must be True or False, got {self.rack_tier!r}")
         if not isinstance(self.overlap_after_freeze, bool):
             raise ValueError(f"overlap_after_freeze must be True or False, got {self.overlap_after_freeze!r}")
         if self.overlap_steps is not None and (isinstance(self.overlap_steps, bool)

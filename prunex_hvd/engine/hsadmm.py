@@ -77,6 +77,9 @@ class Entry:
     plan: Optional[sparsity.Plan] = None   # shrink and recover as one pass each, while masks hold
     residuals: Dict[str, float] = field(default_factory=dict)
     ef: Optional[torch.Tensor] = None      # a narrow payload's rounding error, sent again next round (leaders)
+    w: Optional[torch.Tensor] = None       # three tiers: the rack consensus w_r (v is then z_i's dual against it)
+    t: Optional[torch.Tensor] = None       # w_r's dual against z
+    rho3: float = 0.0                      # w_r's pull toward z
 
     def set_masks(self, rows: torch.Tensor, cols: torch.Tensor) -> None:
         self.rows, self.cols = rows, cols
@@ -110,6 +113,9 @@ class _InFlight:
     steps_since: int = 0             # local steps taken since it started (overlap_steps folds it in)
 
 
+NO_BYTES = {"inter": 0, "intra": 0, "inter_consensus": 0, "dense_inter": 0, "cross_rack": 0}
+
+
 def _ranks(ranks: List[int]) -> str:
     return ",".join(map(str, ranks))
 
@@ -139,10 +145,13 @@ class HSADMM:
         self.dtype, self.device = dtypes.pop(), devices.pop()   # the payload's dtype: the model's
         self.state_dtype = admm.state_dtype(self.dtype)
         self.inter_tier = topo.num_nodes > 1   # one node: z = z_i, nothing to balance across nodes
+        # racks: θ → z_i → w_r → z (one rack, or one node per rack, is the two-tier round unchanged)
+        self.rack_tier = self.inter_tier and config.rack_tier and bool(topo.rack_nodes) and topo.num_racks > 1
         # what crosses nodes; narrower than the state: the change since the last z, with error feedback
         self.payload_dtype = PAYLOAD_DTYPES[config.payload_dtype] or self.dtype
         self.delta_coded = (self.inter_tier and config.payload_dtype is not None
                             and self.payload_dtype.itemsize < self.state_dtype.itemsize)
+        self._check_rack_tier()
 
         self._broadcast_model(params)
         self.entries: List[Entry] = []
@@ -151,6 +160,9 @@ class HSADMM:
             e = Entry(name, p, structure.specs.get(name), u=torch.zeros_like(theta), z_i=theta.clone(),
                       v=torch.zeros_like(theta), z=theta.clone(), rho1=float(config.rho1), rho2=float(config.rho2),
                       ef=torch.zeros_like(theta) if self.delta_coded else None)
+            if self.rack_tier:   # w_r starts where z does, its dual at zero
+                e.w, e.t = theta.clone(), torch.zeros_like(theta)
+                e.rho3 = float(config.rho3 if config.rho3 is not None else config.rho2)
             if e.structured:   # masks start all ones
                 c_out = theta.shape[0]
                 e.set_masks(torch.ones(c_out, dtype=torch.bool, device=self.device),
@@ -166,7 +178,7 @@ class HSADMM:
         self._pending_ef: Optional[list] = None   # this round's new errors, kept once the round is accepted
         self.stable_rounds = 0
         self.mask_drift = 0.0
-        self.bytes = {"inter": 0, "intra": 0, "inter_consensus": 0, "dense_inter": 0}
+        self.bytes = dict(NO_BYTES)
         self._dense = self._layout([e.param.numel() for e in self.entries])
         self._grads: Optional[BucketLayout] = None   # node_sync's gradient buckets, made at the first step
         self._compact: Optional[BucketLayout] = None
@@ -182,6 +194,27 @@ class HSADMM:
         self._refresh_prox()
 
     # -- set-up -----------------------------------------------------------------------------------------
+    def _check_rack_tier(self) -> None:
+        """The three-tier round does not have the overlapped exchange, the narrow payload or over-relaxation
+        (each would need its own derivation per tier): refused on every rank alike (topology and knobs agree)."""
+        if not self.rack_tier:
+            return
+        c = self.config
+        unsupported = [what for what, on in (("overlap=True", c.overlap),
+                                              (f"payload_dtype={c.payload_dtype!r}", self.delta_coded),
+                                              (f"relaxation={c.relaxation!r}", c.relaxation != 1.0)) if on]
+        if unsupported:
+            raise ValueError(f"the rack tier ({self.topo.num_racks} racks of {self.topo.nodes_per_rack} nodes) does "
+                             f"not support {', '.join(unsupported)} yet: turn {'it' if len(unsupported) == 1 else 'them'}"
+                             f" off, or set rack_tier=False (--no-rack-tier) for two tiers over all nodes")
+
+    def _tree_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Combine ``tensor`` over the whole hierarchy and hand the result to every rank (collective): the
+        leaders across nodes, or with racks the nodes of each rack, then the rack leaders across the spine."""
+        if self.rack_tier:
+            return self.groups.racks_then_down_(tensor, op)
+        return self.groups.leaders_then_node_(tensor, op, self.topo.num_nodes)
+
     def _broadcast_model(self, params) -> None:
         """Rank 0's parameters and float buffers to everyone, leaders first: nothing but the leaders crosses
         nodes (the world group would route through non-leaders)."""
@@ -191,7 +224,7 @@ class HSADMM:
             for k, t in enumerate(tensors):
                 layout.views[k].copy_(t.reshape(-1))
             for buf in layout.buffers:
-                self.groups.leaders_then_node_(buf, "broadcast", self.topo.num_nodes)
+                self._tree_(buf, "broadcast")
             for k, t in enumerate(tensors):
                 t.copy_(layout.views[k].view_as(t))
 
@@ -309,11 +342,15 @@ class HSADMM:
         t0, before = time.perf_counter(), self.ledger.summary(by_op=False)
         nonfinite, z_i_new, masks_before, layout = self._start()   # 1–4 up to the exchange
         t_wire = time.perf_counter()
-        with self.ledger.tagged("consensus"):         # 4. compact exchange among leaders, broadcast to the node
-            for buf in layout.buffers:
-                self.groups.leaders_then_node_(buf, "avg", self.topo.num_nodes)
+        w_new = None
+        if self.rack_tier:                            # 4. with racks: rack sum, rack candidate, spine average
+            w_new = self._rack_exchange(layout)
+        else:
+            with self.ledger.tagged("consensus"):     # 4. compact exchange among leaders, broadcast to the node
+                for buf in layout.buffers:
+                    self.groups.leaders_then_node_(buf, "avg", self.topo.num_nodes)
         wait = time.perf_counter() - t_wire
-        self._settle(z_i_new, layout, nonfinite, steps, self._theta_sq(z_i_new), masks_before)   # 5–9
+        self._settle(z_i_new, layout, nonfinite, steps, self._theta_sq(z_i_new), masks_before, w_new=w_new)   # 5–9
         self._restart()                               # 10. θ starts the next local steps at the consensus
         return self._report(before, time.perf_counter() - t0, layout.total_numel, wait)
 
@@ -327,17 +364,17 @@ class HSADMM:
         return nonfinite, z_i_new, masks_before, self._fill_compact(z_i_new)   # 4. the compact payload
 
     def _settle(self, z_i_new, layout, nonfinite, steps, theta_sq, masks_before, du=None,
-                own_buffers: bool = False) -> None:
+                own_buffers: bool = False, w_new: Optional[List[torch.Tensor]] = None) -> None:
         """Phases 5–9 once the exchange has arrived in ``layout`` (``du``, ``own_buffers``: see
-        :meth:`_update_duals`); a refused round puts the masks back and raises."""
+        :meth:`_update_duals`; ``w_new``: the racks' new w_r); a refused round puts the masks back and raises."""
         z_new = self._recover(layout)                 # 5. recovery of z
         try:                                          # 6. verdict, from the job-wide residual sum
-            totals, s_inter_sq = self._verdict(z_i_new, z_new, nonfinite, steps, theta_sq)
+            totals, s_top_sq = self._verdict(z_i_new, z_new, nonfinite, steps, theta_sq, w_new)
         except BaseException:
             self._restore_mask_state(masks_before)
             raise
-        self._update_duals(z_i_new, z_new, layout, du=du, own_buffers=own_buffers)   # 7. duals, float buffers
-        self._adapt_rho(totals, s_inter_sq)           # 8. residuals and adaptive ρ
+        self._update_duals(z_i_new, z_new, layout, du=du, own_buffers=own_buffers, w_new=w_new)   # 7. duals
+        self._adapt_rho(totals, s_top_sq)             # 8. residuals and adaptive ρ
         self.round += 1
         self._maybe_freeze()                          # 9. freezing
 
@@ -429,10 +466,12 @@ class HSADMM:
         return nonfinite
 
     def _node_candidates(self) -> List[torch.Tensor]:
-        """Phase 2: the exact argmin in z_i of every entry (every rank of the node computes the same)."""
+        """Phase 2: the exact argmin in z_i of every entry (every rank of the node computes the same); with racks
+        z_i's consensus above it is its rack's w_r, not z."""
         P, M = self.topo.local_size, self.topo.num_nodes
-        return [admm.node_candidate(self._dense.views[k].view_as(e.z), e.z, e.v, e.rho1, e.rho2, P, M,
-                                    self.config.weight_decay_z) for k, e in enumerate(self.entries)]
+        return [admm.node_candidate(self._dense.views[k].view_as(e.z), e.w if self.rack_tier else e.z, e.v,
+                                    e.rho1, e.rho2, P, M, self.config.weight_decay_z)
+                for k, e in enumerate(self.entries)]
 
     def _project(self, z_i_new: List[torch.Tensor]) -> None:
         """Phase 3, in place on the structured candidates: Π_S and the global masks (leaders OR them); once
@@ -474,6 +513,41 @@ class HSADMM:
                 layout.views[n + j].copy_(mean.reshape(-1))
         return layout
 
+    def _rack_exchange(self, layout: BucketLayout) -> List[torch.Tensor]:
+        """Phase 4 with racks (docs/algorithm.md, "A third tier: racks"), on the compact buckets the node leaders
+        filled with z_i + v_i: (a) the node leaders of each rack sum them over the rack's switch and hand the sum
+        to their node; (b) every rank forms its rack's candidate w_r from it, on the global support; (c) the rack
+        leaders average w_r + t_r across the spine, in the same buckets (the sum has been read), and the average
+        goes back down the rack and the node. The float buffers ride along: each rack's mean of its nodes'
+        means, then the mean over racks. Returns the new w_r; ``layout`` then holds z's payload."""
+        N, n = self.topo.nodes_per_rack, len(self.entries)
+        with self.ledger.tagged("consensus"):         # (a) Σ_{i∈r}(z_i + v_i), compact
+            for buf in layout.buffers:
+                if self.groups.rack is not None:
+                    self.groups.rack.allreduce_(buf, "sum")
+                self.groups.intra.broadcast_(buf, root=0)
+        w_new = []                                    # (b) the rack candidate, the same on every rank of the rack
+        for e, rack_sum in zip(self.entries, self._recover(layout)):
+            w = admm.rack_candidate(rack_sum, e.z, e.t, e.rho2, e.rho3, N)
+            w_new.append(sparsity.apply_masks(w, e.rows, e.cols) if e.structured else w)
+        for j in range(len(self.buffers)):
+            layout.views[n + j].div_(N)
+        if self.topo.is_rack_leader:                  # (c) w_r + t_r across the spine, compact
+            for k, e in enumerate(self.entries):
+                c = (w_new[k] + e.t).to(self.payload_dtype)
+                if e.structured:
+                    sparsity.shrink_into(c, e.row_idx, e.col_idx, layout.views[k], plan=e.plan)
+                else:
+                    layout.views[k].copy_(c.reshape(-1))
+        with self.ledger.tagged("consensus"):
+            for buf in layout.buffers:
+                if self.groups.spine is not None:
+                    self.groups.spine.allreduce_(buf, "avg")
+                if self.groups.rack is not None:
+                    self.groups.rack.broadcast_(buf, root=0)
+                self.groups.intra.broadcast_(buf, root=0)
+        return w_new
+
     def _delta(self, target: torch.Tensor, z: torch.Tensor, ef: torch.Tensor, e: Optional[Entry]) -> torch.Tensor:
         """What a narrow payload carries for one tensor: q = round(target − z + ef) in the payload's dtype. The
         new error target − z + ef − q (on the global support: pruned entries are dropped, as z's are) waits in
@@ -507,19 +581,30 @@ class HSADMM:
         """‖θ − z_i‖² per entry (r_intra's terms), θ as this round sees it."""
         return [admm.sq_norm(e.param.detach() - z) for e, z in zip(self.entries, z_i_new)]
 
-    def _verdict(self, z_i_new, z_new, nonfinite: List[bool], steps: Optional[int], theta_sq: List[torch.Tensor]):
+    def _verdict(self, z_i_new, z_new, nonfinite: List[bool], steps: Optional[int], theta_sq: List[torch.Tensor],
+                 w_new: Optional[List[torch.Tensor]] = None):
         """Phase 6, the safety protocol: the residuals' job-wide sum also carries every rank's round, step count
         and inf/NaN flags (no extra collective), so every rank takes the same verdict before any state changes
-        (:meth:`_check_round` raises). Returns the summed residual squares (n × 3) and s_inter² per entry."""
+        (:meth:`_check_round` raises). Returns the summed residual squares per entry (r_intra², s_intra²,
+        r_inter²; with racks then s_inter², r_spine²) and the top tier's s² per entry (from z: the same
+        everywhere)."""
         P, M, n = self.topo.local_size, self.topo.num_nodes, len(self.entries)
-        local_sq = torch.zeros(n, 3, dtype=torch.float64, device=self.device)   # on the device: no sync per layer
+        width = 3 if w_new is None else 5
+        local_sq = torch.zeros(n, width, dtype=torch.float64, device=self.device)   # on the device: no sync per layer
         s_inter_sq = torch.zeros(n, dtype=torch.float64, device=self.device)
         for k, e in enumerate(self.entries):
             local_sq[k, 0] = theta_sq[k]
+            upper = z_new[k] if w_new is None else w_new[k]   # the consensus z_i answers to
             if self.topo.is_leader:   # node-level terms: once per node, the dual one for the node's P copies
                 local_sq[k, 1] = admm.dual_residual_sq(admm.sq_norm(z_i_new[k] - e.z_i), e.rho1, P)
-                local_sq[k, 2] = admm.sq_norm(z_i_new[k] - z_new[k])
-            s_inter_sq[k] = admm.dual_residual_sq(admm.sq_norm(z_new[k] - e.z), e.rho2, M)   # M copies of z
+                local_sq[k, 2] = admm.sq_norm(z_i_new[k] - upper)
+            if w_new is None:
+                s_inter_sq[k] = admm.dual_residual_sq(admm.sq_norm(z_new[k] - e.z), e.rho2, M)   # M copies of z
+                continue
+            if self.topo.is_rack_leader:   # rack-level terms: once per rack, the dual one for its N copies
+                local_sq[k, 3] = admm.dual_residual_sq(admm.sq_norm(w_new[k] - e.w), e.rho2, self.topo.nodes_per_rack)
+                local_sq[k, 4] = admm.sq_norm(w_new[k] - z_new[k])
+            s_inter_sq[k] = admm.dual_residual_sq(admm.sq_norm(z_new[k] - e.z), e.rho3, self.topo.num_racks)
         size = self.topo.size
         who = torch.zeros(size, 3, dtype=torch.float64)   # one row per rank: summing fills every row
         who[self.topo.rank] = torch.tensor([self.round + 1, -1 if steps is None else steps, float(any(nonfinite))])
@@ -527,10 +612,10 @@ class HSADMM:
         summed = self._sum_over_job(torch.cat([local_sq.reshape(-1), who.reshape(-1).to(self.device),
                                                where.to(self.device)]))
         s_inter_sq = s_inter_sq.tolist()   # from the global z: the same on every rank, read once
-        totals = summed[:3 * n].view(n, 3)
+        totals = summed[:width * n].view(n, width)
         try:
-            self._check_round(summed[3 * n: 3 * n + 3 * size].view(-1, 3), summed[3 * n + 3 * size:], totals,
-                              s_inter_sq)
+            self._check_round(summed[width * n: width * n + 3 * size].view(-1, 3), summed[width * n + 3 * size:],
+                              totals, s_inter_sq)
         except (RuntimeError, FloatingPointError) as exc:   # refused, on every rank alike
             if self.topo.rank == 0:   # the raised error says why; the log marks where in the run
                 log.error("round %d refused (%s): every rank keeps the state of round %d",
@@ -539,17 +624,20 @@ class HSADMM:
         return totals, s_inter_sq
 
     def _update_duals(self, z_i_new, z_new, layout: BucketLayout, du: Optional[List[torch.Tensor]] = None,
-                      own_buffers: bool = False) -> None:
-        """Phase 7: v_i += z_i − z, u += θ − z_i (``du``: that step, formed when θ was sent); the new z_i and
-        z; the float buffers averaged in the round, kept (with z they are the consensus model) and taken by
-        every rank, unless ``own_buffers`` (overlap: a rank's running statistics have followed its steps since
-        it sent them, and keep doing so)."""
+                      own_buffers: bool = False, w_new: Optional[List[torch.Tensor]] = None) -> None:
+        """Phase 7: v_i += z_i − z, u += θ − z_i (``du``: that step, formed when θ was sent); with racks
+        v_i += z_i − w_r and t_r += w_r − z; the new z_i (w_r) and z; the float buffers averaged in the round,
+        kept (with z they are the consensus model) and taken by every rank, unless ``own_buffers`` (overlap: a
+        rank's running statistics have followed its steps since it sent them, and keep doing so)."""
         for k, e in enumerate(self.entries):   # (over-relaxed: the relaxed points of the round's steps)
-            admm.update_dual(e.v, self._relaxed_node(z_i_new[k], e), z_new[k])
+            admm.update_dual(e.v, self._relaxed_node(z_i_new[k], e), z_new[k] if w_new is None else w_new[k])
             if du is None:
                 admm.update_dual(e.u, self._relaxed_theta(e), z_i_new[k])
             else:
                 e.u.add_(du[k])
+            if w_new is not None:
+                admm.update_dual(e.t, w_new[k], z_new[k])
+                e.w = w_new[k]
             e.z_i, e.z = z_i_new[k], z_new[k]
         n = len(self.entries)
         for j, (_, b) in enumerate(self.buffers):
@@ -575,28 +663,39 @@ class HSADMM:
         alpha = self.config.relaxation
         return z_i_new if alpha == 1.0 else admm.relax(z_i_new, e.z, alpha)
 
-    def _adapt_rho(self, totals: torch.Tensor, s_inter_sq: List[float]) -> None:
-        """Phase 8: per-layer residuals; residual balancing of ρ1 (and of ρ2 where there is an inter-node tier),
-        then the ``rho_growth`` schedule; the scaled duals rescaled with them."""
+    def _adapt_rho(self, totals: torch.Tensor, s_top_sq: List[float]) -> None:
+        """Phase 8: per-layer residuals; residual balancing of ρ1 (and of ρ2 where there is an inter-node tier, ρ3
+        where there are racks), then the ``rho_growth`` schedule; the scaled duals rescaled with them."""
         changed = []
         c = self.config
         for k, e in enumerate(self.entries):
-            r_intra, s_intra, r_inter, s_inter = admm.residual_norms(*totals[k].tolist(), s_inter_sq[k])
+            if self.rack_tier:   # ρ2's tier is nodes against their rack; ρ3's racks against z
+                r_intra, s_intra, r_inter, s_inter = admm.residual_norms(*totals[k, :4].tolist())
+                r_spine, s_spine = admm.residual_norms(float(totals[k, 4]), s_top_sq[k], 0.0, 0.0)[:2]
+            else:
+                r_intra, s_intra, r_inter, s_inter = admm.residual_norms(*totals[k].tolist(), s_top_sq[k])
             e.residuals = {"r_intra": r_intra, "s_intra": s_intra}
             if self.inter_tier:
                 e.residuals.update(r_inter=r_inter, s_inter=s_inter)
+            if self.rack_tier:
+                e.residuals.update(r_spine=r_spine, s_spine=s_spine)
             if c.adaptive_rho or c.rho_growth != 1.0:
-                rho1, rho2 = e.rho1, e.rho2
+                rho1, rho2, rho3 = e.rho1, e.rho2, e.rho3
                 if c.adaptive_rho:
                     rho1 = admm.adapt_rho(rho1, r_intra, s_intra, c.rho_max)
                     rho2 = admm.adapt_rho(rho2, r_inter, s_inter, c.rho_max) if self.inter_tier else rho2
+                    rho3 = admm.adapt_rho(rho3, r_spine, s_spine, c.rho_max) if self.rack_tier else rho3
                     changed += [f"{e.name} {which} {old:.3g}->{new:.3g}" for which, old, new in
-                                (("rho1", e.rho1, rho1), ("rho2", e.rho2, rho2)) if new != old]
+                                (("rho1", e.rho1, rho1), ("rho2", e.rho2, rho2), ("rho3", e.rho3, rho3))
+                                if new != old]
                 rho1 = admm.grow_rho(rho1, c.rho_growth, c.rho_max)   # the schedule: not logged, it is known
                 rho2 = admm.grow_rho(rho2, c.rho_growth, c.rho_max) if self.inter_tier else rho2
+                rho3 = admm.grow_rho(rho3, c.rho_growth, c.rho_max) if self.rack_tier else rho3
                 admm.rescale_dual(e.u, e.rho1, rho1)
                 admm.rescale_dual(e.v, e.rho2, rho2)
-                e.rho1, e.rho2 = rho1, rho2
+                if self.rack_tier:
+                    admm.rescale_dual(e.t, e.rho3, rho3)
+                e.rho1, e.rho2, e.rho3 = rho1, rho2, rho3
         if changed and self.topo.rank == 0:
             shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
             log.info("round %d: rho changed %d time(s): %s", self.round + 1, len(changed), shown)
@@ -629,6 +728,8 @@ class HSADMM:
         for e, (rows, cols) in zip(self.structured, self._masks({e.name: e.z for e in self.structured})):
             e.set_masks(rows, cols)
             e.z = sparsity.apply_masks(e.z, e.rows, e.cols)
+            if e.w is not None:   # the racks' consensus too: every tier above the nodes on the frozen structure
+                e.w = sparsity.apply_masks(e.w, e.rows, e.cols)
         self._compact = self._support = None
         self.frozen = True
         if self.topo.rank == 0:
@@ -707,7 +808,7 @@ class HSADMM:
             return
         flat = torch.cat([torch.cat([r, c]) for r, c in local]).to(torch.uint8)
         with self.ledger.tagged("masks"):   # one node: every rank projected the same z_i already
-            self.groups.leaders_then_node_(flat, "bor", self.topo.num_nodes)
+            self._tree_(flat, "bor")
         flat = flat.bool()
         changed = kept_total = 0
         offset = 0
@@ -753,7 +854,7 @@ class HSADMM:
         local = local.to(self.device)
         with self.ledger.tagged("residuals"):
             self.groups.intra.allreduce_(local, "sum")
-            self.groups.leaders_then_node_(local, "sum", self.topo.num_nodes)
+            self._tree_(local, "sum")
         return local.cpu()
 
     def _count_traffic(self, before: dict) -> tuple:
@@ -764,6 +865,7 @@ class HSADMM:
         intra = after["wire_bytes"] - before["wire_bytes"] - cross
         self.bytes["inter"] += cross
         self.bytes["intra"] += intra
+        self.bytes["cross_rack"] += after["cross_rack_bytes"] - before["cross_rack_bytes"]
         return cross, intra
 
     def _report(self, before, seconds, compact_numel: int, wait: float) -> dict:
@@ -771,17 +873,25 @@ class HSADMM:
         boundaries, ``intra`` = the rest. The consensus exchange and its dense counterfactual are counted
         on the group that carries it (the leaders; the one group of a flat consensus), so their ratio is
         exact."""
+        rack_before = self.bytes["cross_rack"]
         cross, intra = self._count_traffic(before)
+        cross_rack = self.bytes["cross_rack"] - rack_before
         if self.topo.num_nodes > 1:
             carrier = self.groups.inter       # None on non-leaders: they send nothing across
         else:                                 # flat: every rank's dense θ+u sum is the exchange
             carrier, compact_numel = self.groups.intra, self._dense.total_numel
 
+        # with racks: the rack sum and the z's way down the rack (rack group), the spine's average
+        hops = [(self.groups.rack, "allreduce"), (self.groups.spine, "allreduce"), (self.groups.rack, "broadcast")] \
+            if self.rack_tier else [(carrier, "allreduce")]
+
         def on_carrier(numel: int, dtype: torch.dtype) -> int:
-            if carrier is None:
-                return 0
-            sizes = [numel * carrier.wire_dtype(dtype).itemsize] * carrier.size
-            return ring_cross_node_bytes("allreduce", sizes, carrier.rank, carrier.nodes)
+            total = 0
+            for comm, op in hops:
+                if comm is not None:
+                    sizes = [numel * comm.wire_dtype(dtype).itemsize] * comm.size
+                    total += ring_cross_node_bytes(op, sizes, comm.rank, comm.nodes)
+            return total
         consensus = on_carrier(compact_numel, self.payload_dtype if self.topo.num_nodes > 1 else self.dtype)
         dense = on_carrier(self._dense.total_numel, self.dtype)   # the dense exchange in the model's dtype
         self.bytes["inter_consensus"] += consensus
@@ -789,7 +899,7 @@ class HSADMM:
         self.exchange_wait_s += wait
         return {"round": self.round, "seconds": seconds, "exchange_wait_seconds": wait,
                 "in_flight": self._in_flight is not None, "inter_bytes": cross, "intra_bytes": intra,
-                "consensus_bytes": consensus, "dense_inter_bytes": dense,
+                "consensus_bytes": consensus, "dense_inter_bytes": dense, "cross_rack_bytes": cross_rack,
                 "density": self.density(), "mask_drift": self.mask_drift, "frozen": self.frozen}
 
     def density(self) -> float:
@@ -872,7 +982,8 @@ class HSADMM:
                                  "rho1": e.rho1, "rho2": e.rho2, "residuals": dict(e.residuals),
                                  "rows": None if e.rows is None else e.rows.clone(),
                                  "cols": None if e.cols is None else e.cols.clone(),
-                                 "ef": None if e.ef is None else e.ef.clone()}
+                                 "ef": None if e.ef is None else e.ef.clone(),
+                                 **({"w": e.w.clone(), "t": e.t.clone(), "rho3": e.rho3} if e.w is not None else {})}
                         for e in self.entries},
             "round_buffers": {name: b.clone() for (name, _), b in zip(self.buffers, self._round_buffers)},
             "buffer_ef": {name: ef.clone() for (name, _), ef in zip(self.buffers, self._buffer_ef)},
@@ -888,8 +999,14 @@ class HSADMM:
             s = sd["entries"][e.name]
             if tuple(s["z"].shape) != tuple(e.z.shape):
                 raise ValueError(f"engine state for {e.name} has shape {tuple(s['z'].shape)}, the model {tuple(e.z.shape)}")
-            for key in ("u", "z_i", "v", "z"):
+            if ("w" in s) != self.rack_tier:
+                raise ValueError(f"engine state: saved {'with' if 'w' in s else 'without'} the rack tier, resumed "
+                                 f"{'with' if self.rack_tier else 'without'} it: resume on the same racks "
+                                 f"(nodes_per_rack) and rack_tier setting")
+            for key in ("u", "z_i", "v", "z") + (("w", "t") if self.rack_tier else ()):
                 getattr(e, key).copy_(s[key])
+            if self.rack_tier:
+                e.rho3 = float(s["rho3"])
             e.rho1, e.rho2, e.residuals = float(s["rho1"]), float(s["rho2"]), dict(s["residuals"])
             if e.ef is not None:   # a narrow payload's pending error (zero if saved without one)
                 e.ef.copy_(s["ef"] if s.get("ef") is not None else torch.zeros_like(e.ef))
@@ -897,7 +1014,7 @@ class HSADMM:
                 e.set_masks(s["rows"].to(self.device).clone(), s["cols"].to(self.device).clone())
         self.round, self.frozen = int(sd["round"]), bool(sd["frozen"])
         self.stable_rounds, self.mask_drift = int(sd["stable_rounds"]), float(sd["mask_drift"])
-        self.bytes = dict(sd["bytes"])
+        self.bytes = dict(NO_BYTES, **sd["bytes"])   # (older checkpoints lack cross_rack)
         saved = sd.get("round_buffers", {})   # absent in older checkpoints: saved at a round, buffers were averaged
         for (name, b), avg in zip(self.buffers, self._round_buffers):
             avg.copy_(saved.get(name, b))

@@ -362,16 +362,39 @@ class Groups:
         still reaches the node. Collective: every rank of the job calls it. Returns ``tensor``."""
         if num_nodes > 1:
             if self.inter is not None:   # a leader
-                if op == "broadcast":
-                    self.inter.broadcast_(tensor, root=0)
-                elif op == "bor":
-                    self.inter.bor_(tensor)
-                else:
-                    self.inter.allreduce_(tensor, op)
+                _combine_(self.inter, tensor, op)
             self.intra.broadcast_(tensor, root=0)
         elif op == "broadcast":
             self.intra.broadcast_(tensor, root=0)
         return tensor
+
+    def racks_then_down_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """:meth:`leaders_then_node_` over three tiers (racks): the node leaders of each rack combine ``tensor``
+        over the rack's switch, the rack leaders across the spine, then it goes back down the rack and the node
+        (a ``"broadcast"`` from rank 0 just goes down). Only rack leaders cross racks. Collective: every rank
+        calls it. Returns ``tensor``."""
+        if op == "broadcast":
+            if self.spine is not None:
+                self.spine.broadcast_(tensor, root=0)
+        else:
+            if self.rack is not None:
+                _combine_(self.rack, tensor, op)
+            if self.spine is not None:
+                _combine_(self.spine, tensor, op)
+        if self.rack is not None:
+            self.rack.broadcast_(tensor, root=0)
+        self.intra.broadcast_(tensor, root=0)
+        return tensor
+
+
+def _combine_(comm: Communicator, tensor: torch.Tensor, op: str) -> None:
+    """``op`` on one group: a broadcast from its rank 0, a bitwise or, or an allreduce."""
+    if op == "broadcast":
+        comm.broadcast_(tensor, root=0)
+    elif op == "bor":
+        comm.bor_(tensor)
+    else:
+        comm.allreduce_(tensor, op)
 
 
 def staged_on_cpu(fn):
