@@ -148,7 +148,9 @@ def snapshot(eng):
             # three tiers (racks): the rank's rack consensus, its dual and ρ3
             "w": {e.name: e.w.cpu().clone() for e in eng.entries if e.w is not None},
             "t": {e.name: e.t.cpu().clone() for e in eng.entries if e.t is not None},
-            "rho3": {e.name: e.rho3 for e in eng.entries}}
+            "rho3": {e.name: e.rho3 for e in eng.entries},
+            "ef_spine": {e.name: e.ef_spine.cpu().clone() for e in eng.entries if e.ef_spine is not None},
+            "buffer_ef_spine": {n: ef.cpu().clone() for (n, _), ef in zip(eng.buffers, eng._buffer_ef_spine)}}
 
 
 def compare(name, got, want, rtol=1e-4, atol=1e-6, ulp=None):
@@ -189,8 +191,9 @@ def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buff
     for r, got in enumerate(after):
         node = node_of[r]
         for name in got["w"] if rack_of else ():   # every rank of a rack holds its w_r, t_r
-            compare(f"round {rnd} rank {r} w[{name}]", got["w"][name], want["w"][rack_of[node]][name])
-            compare(f"round {rnd} rank {r} t[{name}]", got["t"][name], want["t"][rack_of[node]][name])
+            ulp = want["ulp"].get(name)
+            compare(f"round {rnd} rank {r} w[{name}]", got["w"][name], want["w"][rack_of[node]][name], ulp=ulp)
+            compare(f"round {rnd} rank {r} t[{name}]", got["t"][name], want["t"][rack_of[node]][name], ulp=ulp)
             # a tier in exact agreement (a conv bias before BatchNorm has no gradient) balances float32 rounding
             # noise against noise: there ρ3's step may go either way
             noise = max(want["residuals"][name][4:6]) < 1e-6
@@ -215,11 +218,17 @@ def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buff
                     ulp=want["ulp"].get("buffer " + name))
         if eng.delta_coded:   # the leaders' rounding errors, sent again next round; nobody else keeps one
             leader = r == node_ranks[node][0]
+            rack_leader = rack_of is not None and r == node_ranks[eng.topo.racks[rack_of[node]][0]][0]
             for key in ("ef", "buffer_ef") if buffers else ("ef",):
                 for name, ef in got[key].items():
                     compare(f"round {rnd} rank {r} {key}[{name}]", ef,
                             want[key][name][node] if leader else torch.zeros_like(ef),
                             ulp=want["ulp"][name if key == "ef" else "buffer " + name])
+            for key in (("ef_spine", "buffer_ef_spine") if buffers else ("ef_spine",)) if rack_of else ():
+                for name, ef in got[key].items():   # the rack leaders', across the spine
+                    compare(f"round {rnd} rank {r} {key}[{name}]", ef,
+                            want[key][name][rack_of[node]] if rack_leader else torch.zeros_like(ef),
+                            ulp=want["ulp"][name if key == "ef_spine" else "buffer " + name])
     return {"frozen_before": before[0]["frozen"],
             "compact": {n: [int(r.sum()), int(c.sum())] for n, (r, c) in want["sent_masks"].items()}}
 

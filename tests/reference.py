@@ -108,26 +108,51 @@ def payload_ulp(sent) -> float:
     return biggest * torch.finfo(sent[0].dtype).eps
 
 
-def _payload_average(sent):
-    """The leaders' average of their payloads as the transports do it: added up in node order in the payload's
-    dtype (each add rounded once), divided by M, then widened."""
+def _payload_sum(sent):
+    """The payloads added up as the transports do it: in node order in the payload's dtype (each add rounded
+    once)."""
     total = sent[0].clone()
     for q in sent[1:]:
         total.add_(q)
-    return total.div_(len(sent)).float()
+    return total
 
 
-def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support):
+def _payload_average(sent):
+    """The leaders' average of their payloads: :func:`_payload_sum` divided by M, then widened."""
+    return _payload_sum(sent).div_(len(sent)).float()
+
+
+def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload, out):
     """The rack and global steps of one entry, on the global ``support``: w_r = (ρ2·Σ_{i∈r}(z_i + v_i) +
-    ρ3·(z − t_r)) / (N·ρ2 + ρ3), z = mean_r(w_r + t_r). Returns (w, t, w_old per rack, z)."""
+    ρ3·(z − t_r)) / (N·ρ2 + ρ3), z = mean_r(w_r + t_r). With a narrow ``payload`` each sum travels as rounded
+    changes with error feedback: z_i + v_i − w_r + e_i (node leaders, ``ef``), w_r + t_r − z + f_r (rack
+    leaders, ``ef_spine``); the new errors and the payload step go into ``out``. Returns (w, t, w_old per rack,
+    z)."""
     d = lambda x: x.double()  # noqa: E731
     rho2, rho3, N = states[0]["rho2"][name], states[0]["rho3"][name], len(racks[0])
     leader = [node_ranks[nodes[0]][0] for nodes in racks]   # a rank of the rack, holding its w_r and t_r
     t = [d(states[r]["t"][name]) for r in leader]
     w_old = [d(states[r]["w"][name]) for r in leader]
-    w = [support * (rho2 * sum(z_i[i] + v[i] for i in nodes) + rho3 * (z_old - t[k])) / (N * rho2 + rho3)
-         for k, nodes in enumerate(racks)]
-    return w, t, w_old, torch.stack([w[k] + t[k] for k in range(len(racks))]).mean(0) * support
+    on = support.bool()
+    if payload is None:
+        sums = [support * sum(z_i[i] + v[i] for i in nodes) for nodes in racks]
+    else:
+        sums, out["ef"][name], ulps = [], [None] * len(node_ranks), []
+        for k, nodes in enumerate(racks):
+            sent, errors = _rounded_changes([(z_i[i] + v[i]).float() for i in nodes], states[leader[k]]["w"][name],
+                                            [states[node_ranks[i][0]]["ef"][name] for i in nodes], payload, on)
+            for i, error in zip(nodes, errors):
+                out["ef"][name][i] = error
+            sums.append(d(_payload_sum(sent).float()) + N * w_old[k] * support)
+            ulps.append(payload_ulp(sent))
+    w = [support * (rho2 * sums[k] + rho3 * (z_old - t[k])) / (N * rho2 + rho3) for k in range(len(racks))]
+    if payload is None:
+        return w, t, w_old, torch.stack([w[k] + t[k] for k in range(len(racks))]).mean(0) * support
+    sent, out["ef_spine"][name] = _rounded_changes([(w[k] + t[k]).float() for k in range(len(racks))],
+                                                   states[0]["z"][name],
+                                                   [states[r]["ef_spine"][name] for r in leader], payload, on)
+    out["ulp"][name] = max(ulps + [payload_ulp(sent)])
+    return w, t, w_old, d(_payload_average(sent) + states[0]["z"][name].masked_fill(~on, 0))
 
 
 def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, freezes=False,
@@ -147,11 +172,12 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
     M, P = len(node_ranks), len(node_ranks[0])
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
     rack_of = {i: k for k, nodes in enumerate(racks or ()) for i in nodes}
-    assert not racks or (payload is None and relaxation == 1.0)
+    assert not racks or relaxation == 1.0
     frozen = states[0]["frozen"]
     out = {"u": [{} for _ in states], "z_i": [{} for _ in range(M)], "v": [{} for _ in range(M)], "z": {},
            "rho1": {}, "rho2": {}, "masks": {}, "sent_masks": {}, "buffers": {}, "residuals": {}, "ef": {},
-           "buffer_ef": {}, "ulp": {}, "w": [{} for _ in racks or ()], "t": [{} for _ in racks or ()], "rho3": {}}
+           "buffer_ef": {}, "ulp": {}, "w": [{} for _ in racks or ()], "t": [{} for _ in racks or ()], "rho3": {},
+           "ef_spine": {}, "buffer_ef_spine": {}}
     d = lambda t: t.double()  # noqa: E731
     couplings = couplings or {}
     alpha = relaxation
@@ -189,7 +215,7 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
         v = [d(states[ranks[0]]["v"][name]) for ranks in node_ranks]
         relaxed_z_i = [alpha * z_i[i] + (1 - alpha) * z_old for i in range(M)]
         if racks:
-            w, t, w_old, z = _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support)
+            w, t, w_old, z = _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload, out)
             upper = [w[rack_of[i]] for i in range(M)]
         elif payload is None:
             z = torch.stack([relaxed_z_i[i] + v[i] for i in range(M)]).mean(0) * support
@@ -255,6 +281,13 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
         sent, out["buffer_ef"][name] = _rounded_changes(
             node_means, states[0]["round_buffers"][name], [states[ranks[0]]["buffer_ef"][name] for ranks in node_ranks],
             payload, ones)
+        if racks:   # each rack's mean change, rounded again (with the rack leader's error) across the spine
+            changes = [_payload_sum([sent[i] for i in nodes]).float() / len(nodes) for nodes in racks]
+            rack_ulp = payload_ulp(sent)
+            sent, out["buffer_ef_spine"][name] = _rounded_changes(
+                changes, torch.zeros_like(changes[0]),
+                [states[node_ranks[nodes[0]][0]]["buffer_ef_spine"][name] for nodes in racks], payload, ones)
+            out["ulp"]["buffer " + name] = max(rack_ulp, payload_ulp(sent))
         out["buffers"][name] = states[0]["round_buffers"][name] + _payload_average(sent)
         out["ulp"]["buffer " + name] = payload_ulp(sent)
     # where θ starts the next local steps: the consensus (after the freeze's cut), or where the steps left it

@@ -99,14 +99,15 @@ RACK_ENV = ["PRUNEX_RANKS_PER_NODE=2", "PRUNEX_NODES_PER_RACK=2"]
 
 
 @needs_mpirun
-@pytest.mark.parametrize("backend,extra", [("mpi", []), ("gloo", ["--node-sync", "--coupled"])])
+@pytest.mark.parametrize("backend,extra", [("mpi", ["--payload-dtype", "bf16"]), ("gloo", ["--node-sync", "--coupled"])])
 def test_engine_mpirun_three_tiers(tmp_path, backend, extra):
-    """2 racks × 2 nodes × 2 ranks: every rank's u, z_i, v, w_r, t_r, z and ρ's against the three-tier reference
-    each round (the worker checks), and every tier's bytes exactly (check_results: the spine alone crosses
-    racks)."""
+    """2 racks × 2 nodes × 2 ranks: every rank's u, z_i, v, w_r, t_r, z and ρ's (and a bf16 payload's rounding
+    errors at both levels) against the three-tier reference each round (the worker checks), and every tier's
+    bytes exactly (check_results: the spine alone crosses racks)."""
     proc = run(mpirun(8, python_cmd("engine_worker.py", "--backend", backend, *extra, "--out", str(tmp_path)),
                       RACK_ENV), timeout=300)
-    check_results(worker_results(proc, tmp_path, "engine", ranks=8), CHANNEL, couplings=PAIR if extra else None)
+    check_results(worker_results(proc, tmp_path, "engine", ranks=8), CHANNEL,
+                  couplings=PAIR if "--coupled" in extra else None, payload_bytes=2 if "bf16" in extra else 4)
 
 
 @needs_horovod

@@ -20,7 +20,11 @@ RACK_RUNS = [((4, 2, 2), "channel", {}),
              ((6, 1, 3), "mixed", {}),
              ((6, 1, 2), "channel", dict(rho3=0.005, restart="node", rho_growth=1.3, keep_ramp_rounds=2)),
              ((4, 2, 2), "streams", dict(restart="none", node_sync=True)),
-             ((4, 1, 2), "channel", dict(adaptive_rho=False, rho3=0.1))]
+             ((4, 1, 2), "channel", dict(adaptive_rho=False, rho3=0.1)),
+             # a narrow payload: rounded changes at the rack and across the spine, each with error feedback
+             ((4, 2, 2), "channel", dict(payload_dtype="bf16", node_sync=True)),
+             ((6, 1, 2), "mixed", dict(payload_dtype="fp16", keep_ramp_rounds=2)),
+             ((6, 1, 3), "coupled", dict(payload_dtype="bf16"))]
 
 
 @pytest.mark.parametrize("shape,case,knobs", RACK_RUNS,
@@ -40,7 +44,8 @@ def test_three_tier_rounds_match_the_reference(shape, case, knobs):
     cases.assert_same_everywhere([run["final"] for run in runs], "after finalize")
     results = [run["result"] for run in runs]
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
-    cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams)
+    cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
+                        payload_bytes=eng.payload_dtype.itemsize)
     residuals = runs[0]["engine"].entries[0].residuals
     assert set(residuals) == {"r_intra", "s_intra", "r_inter", "s_inter", "r_spine", "s_spine"}
 
@@ -79,7 +84,7 @@ def test_two_tier_shapes_are_the_two_tier_round_bit_for_bit(shape, knobs):
 
 
 @pytest.mark.parametrize("knobs,named", [(dict(overlap=True), "overlap=True"),
-                                         (dict(payload_dtype="bf16"), "payload_dtype='bf16'"),
+                                         (dict(relaxation=1.5), "relaxation=1.5"),
                                          (dict(relaxation=1.5, overlap=True), "overlap=True, relaxation=1.5")])
 def test_what_the_rack_tier_lacks_is_refused_on_every_rank(knobs, named):
     models = [cases.make_model("chain", r) for r in range(4)]
@@ -100,9 +105,11 @@ def test_what_the_rack_tier_lacks_is_refused_on_every_rank(knobs, named):
 
 
 def test_three_tier_state_dict_resumes_bit_for_bit_and_fits_only_three_tiers():
-    """state_dict() after round 2 of 4 on 2 racks × 2 nodes × 2 ranks, loaded into fresh engines: the resumed run
-    ends bit for bit where the uninterrupted one does. An engine without the rack tier refuses that state."""
-    config = ConsensusConfig(sparsity="channel:0.5", node_sync=True, **dict(cases.SETTINGS, rho3=0.01))
+    """state_dict() after round 2 of 4 on 2 racks × 2 nodes × 2 ranks (bf16 payload: both levels' rounding errors
+    are state), loaded into fresh engines: the resumed run ends bit for bit where the uninterrupted one does. An
+    engine without the rack tier refuses that state."""
+    config = ConsensusConfig(sparsity="channel:0.5", node_sync=True, payload_dtype="bf16",
+                             **dict(cases.SETTINGS, rho3=0.01))
     native.module()
     total, take_at = cases.ROUNDS * cases.LOCAL_STEPS, 2 * cases.LOCAL_STEPS
 
@@ -142,6 +149,8 @@ def test_three_tier_state_dict_resumes_bit_for_bit_and_fits_only_three_tiers():
     resumed = job(saved=[r[2] for r in whole])
     for r in range(8):
         assert all(torch.equal(whole[r][0][k], resumed[r][0][k]) for k in whole[r][0]), f"rank {r}"
-    assert {"w", "t", "rho3"} <= set(whole[0][2]["engine"]["entries"]["0.weight"])
+    saved = whole[0][2]["engine"]
+    assert {"w", "t", "rho3", "ef_spine"} <= set(saved["entries"]["0.weight"])
+    assert saved["entries"]["0.weight"]["ef_spine"].abs().sum() > 0 and saved["buffer_ef_spine"]
     with pytest.raises(RankFailed, match="saved with the rack tier, resumed without it"):
         job(saved=[r[2] for r in whole], rack_tier=False)

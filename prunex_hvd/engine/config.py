@@ -119,7 +119,8 @@ class ConsensusConfig:
       tier: racks"): nodes agree with their rack over the rack's switch (``rho2`` is then the pull toward w_r),
       and only the rack leaders cross the spine, each with one compact payload (``rho3`` their pull toward
       z; None: ``rho2``). ``rack_tier=False`` runs the two tiers over every node (the racks still count the
-      traffic that crosses them). Not yet with ``overlap``, a narrow ``payload_dtype`` or ``relaxation`` ≠ 1.
+      traffic that crosses them). A narrow ``payload_dtype`` rounds both levels (into the rack, across the
+      spine), each with its own error feedback. Not yet with ``overlap`` or ``relaxation`` ≠ 1.
     * ``sparsity`` — the structure to keep: ``"filter:K"``, ``"channel:K"``, ``"shape:K"`` (K = fraction KEPT),
       joined with ``"+"`` (applied filter → channel → shape), or ``{name_glob: spec}`` per layer (``"dense"``
       excludes a layer). Only conv weights (4-D) are structured; the rest joins the consensus densely.

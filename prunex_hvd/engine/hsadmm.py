@@ -80,6 +80,7 @@ class Entry:
     w: Optional[torch.Tensor] = None       # three tiers: the rack consensus w_r (v is then z_i's dual against it)
     t: Optional[torch.Tensor] = None       # w_r's dual against z
     rho3: float = 0.0                      # w_r's pull toward z
+    ef_spine: Optional[torch.Tensor] = None   # three tiers, narrow payload: the rack leader's rounding error
 
     def set_masks(self, rows: torch.Tensor, cols: torch.Tensor) -> None:
         self.rows, self.cols = rows, cols
@@ -163,6 +164,7 @@ class HSADMM:
             if self.rack_tier:   # w_r starts where z does, its dual at zero
                 e.w, e.t = theta.clone(), torch.zeros_like(theta)
                 e.rho3 = float(config.rho3 if config.rho3 is not None else config.rho2)
+                e.ef_spine = torch.zeros_like(theta) if self.delta_coded else None
             if e.structured:   # masks start all ones
                 c_out = theta.shape[0]
                 e.set_masks(torch.ones(c_out, dtype=torch.bool, device=self.device),
@@ -175,7 +177,9 @@ class HSADMM:
         self._round_buffers = [b.clone() for _, b in self.buffers]   # averaged in the last round: z's partner
         self._buffer_ef = [torch.zeros_like(b, dtype=self.state_dtype) for _, b in self.buffers] \
             if self.delta_coded else []
+        self._buffer_ef_spine = [torch.zeros_like(ef) for ef in self._buffer_ef] if self.rack_tier else []
         self._pending_ef: Optional[list] = None   # this round's new errors, kept once the round is accepted
+        self._pending_ef_spine: Optional[list] = None   # (the rack leaders', across the spine)
         self.stable_rounds = 0
         self.mask_drift = 0.0
         self.bytes = dict(NO_BYTES)
@@ -195,13 +199,12 @@ class HSADMM:
 
     # -- set-up -----------------------------------------------------------------------------------------
     def _check_rack_tier(self) -> None:
-        """The three-tier round does not have the overlapped exchange, the narrow payload or over-relaxation
-        (each would need its own derivation per tier): refused on every rank alike (topology and knobs agree)."""
+        """The three-tier round does not have the overlapped exchange or over-relaxation (each would need its own
+        derivation per tier): refused on every rank alike (topology and knobs agree)."""
         if not self.rack_tier:
             return
         c = self.config
         unsupported = [what for what, on in (("overlap=True", c.overlap),
-                                              (f"payload_dtype={c.payload_dtype!r}", self.delta_coded),
                                               (f"relaxation={c.relaxation!r}", c.relaxation != 1.0)) if on]
         if unsupported:
             raise ValueError(f"the rack tier ({self.topo.num_racks} racks of {self.topo.nodes_per_rack} nodes) does "
@@ -491,16 +494,19 @@ class HSADMM:
     def _fill_compact(self, z_i_new: List[torch.Tensor]) -> BucketLayout:
         """Phase 4's payload: leaders shrink z_i + v_i onto the global support into the compact buckets (which
         the round then averages across nodes and hands to each node). One node: z = z_i + v, every rank has
-        it, nothing to exchange. A narrow payload (``delta_coded``) carries z_i + v_i − z + e instead, rounded;
-        e, the rounding error, is sent again next round (error feedback), and z is recovered as z + the
-        average."""
+        it, nothing to exchange. A narrow payload (``delta_coded``) carries z_i + v_i − z + e instead (with racks
+        − w_r), rounded; e, the rounding error, is sent again next round (error feedback), and z is recovered
+        as z + the average."""
         n, P = len(self.entries), self.topo.local_size
         layout = self._compact_layout()
         self._pending_ef = []
         if self.topo.is_leader or not self.inter_tier:
             for k, e in enumerate(self.entries):   # (over-relaxed: α·z_i + (1 − α)·z in place of z_i)
                 c = self._relaxed_node(z_i_new[k], e) + e.v
-                c = self._delta(c, e.z, e.ef, e) if self.delta_coded else c.to(self.payload_dtype)   # one pass
+                if self.delta_coded:   # one pass
+                    c = self._delta(c, e.w if self.rack_tier else e.z, e.ef, e, self._pending_ef)
+                else:
+                    c = c.to(self.payload_dtype)
                 if e.structured:
                     sparsity.shrink_into(c, e.row_idx, e.col_idx, layout.views[k], plan=e.plan)
                 else:
@@ -509,7 +515,7 @@ class HSADMM:
                 mean = self._dense.views[n + j].view_as(b) / P
                 if self.delta_coded:
                     mean = self._delta(mean.to(self.state_dtype), self._round_buffers[j].to(self.state_dtype),
-                                       self._buffer_ef[j], None)
+                                       self._buffer_ef[j], None, self._pending_ef)
                 layout.views[n + j].copy_(mean.reshape(-1))
         return layout
 
@@ -519,26 +525,36 @@ class HSADMM:
         to their node; (b) every rank forms its rack's candidate w_r from it, on the global support; (c) the rack
         leaders average w_r + t_r across the spine, in the same buckets (the sum has been read), and the average
         goes back down the rack and the node. The float buffers ride along: each rack's mean of its nodes'
-        means, then the mean over racks. Returns the new w_r; ``layout`` then holds z's payload."""
+        means, then the mean over racks. A narrow payload carries changes at both levels, each with its own
+        error feedback: z_i + v_i − w_r + e_i into the rack, w_r + t_r − z + f_r across the spine. Returns the
+        new w_r; ``layout`` then holds z's payload."""
         N, n = self.topo.nodes_per_rack, len(self.entries)
+        self._pending_ef_spine = []
         with self.ledger.tagged("consensus"):         # (a) Σ_{i∈r}(z_i + v_i), compact
             for buf in layout.buffers:
                 if self.groups.rack is not None:
                     self.groups.rack.allreduce_(buf, "sum")
                 self.groups.intra.broadcast_(buf, root=0)
         w_new = []                                    # (b) the rack candidate, the same on every rank of the rack
-        for e, rack_sum in zip(self.entries, self._recover(layout)):
+        sums = self._recover(layout, [e.w * N for e in self.entries] if self.delta_coded else None)
+        for e, rack_sum in zip(self.entries, sums):
             w = admm.rack_candidate(rack_sum, e.z, e.t, e.rho2, e.rho3, N)
             w_new.append(sparsity.apply_masks(w, e.rows, e.cols) if e.structured else w)
-        for j in range(len(self.buffers)):
-            layout.views[n + j].div_(N)
         if self.topo.is_rack_leader:                  # (c) w_r + t_r across the spine, compact
             for k, e in enumerate(self.entries):
-                c = (w_new[k] + e.t).to(self.payload_dtype)
+                c = w_new[k] + e.t
+                c = self._delta(c, e.z, e.ef_spine, e, self._pending_ef_spine) if self.delta_coded \
+                    else c.to(self.payload_dtype)
                 if e.structured:
                     sparsity.shrink_into(c, e.row_idx, e.col_idx, layout.views[k], plan=e.plan)
                 else:
                     layout.views[k].copy_(c.reshape(-1))
+        for j in range(len(self.buffers)):            # the rack's mean (of the nodes' changes, narrow)
+            if not self.delta_coded:
+                layout.views[n + j].div_(N)
+            elif self.topo.is_rack_leader:
+                layout.views[n + j].copy_(self._delta(layout.views[n + j].to(self.state_dtype).div_(N), 0.0,
+                                                      self._buffer_ef_spine[j], None, self._pending_ef_spine))
         with self.ledger.tagged("consensus"):
             for buf in layout.buffers:
                 if self.groups.spine is not None:
@@ -548,21 +564,22 @@ class HSADMM:
                 self.groups.intra.broadcast_(buf, root=0)
         return w_new
 
-    def _delta(self, target: torch.Tensor, z: torch.Tensor, ef: torch.Tensor, e: Optional[Entry]) -> torch.Tensor:
+    def _delta(self, target: torch.Tensor, z, ef: torch.Tensor, e: Optional[Entry], pending: list) -> torch.Tensor:
         """What a narrow payload carries for one tensor: q = round(target − z + ef) in the payload's dtype. The
         new error target − z + ef − q (on the global support: pruned entries are dropped, as z's are) waits in
-        ``_pending_ef`` until the round is accepted."""
+        ``pending`` until the round is accepted."""
         delta = target.sub_(z).add_(ef)   # ``target`` is the caller's own temporary
         q = delta.to(self.payload_dtype)
         error = delta.sub_(q)
         if e is not None and e.structured:
             error = sparsity.apply_masks(error, e.rows, e.cols)
-        self._pending_ef.append(error)
+        pending.append(error)
         return q
 
-    def _recover(self, layout: BucketLayout) -> List[torch.Tensor]:
+    def _recover(self, layout: BucketLayout, bases: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
         """Phase 5: z of every entry from the compact buckets (one pass per layer), in the state's dtype
-        (a narrow payload's average is the change: added to the last z, cut to the new support)."""
+        (a narrow payload's average is the change: added to the last z, cut to the new support; ``bases``: what
+        it is the change of, in place of z)."""
         z_new = []
         for k, e in enumerate(self.entries):
             if k in self._gathers:   # one gather of whole chunks from the bucket (see _compact_layout)
@@ -573,7 +590,8 @@ class HSADMM:
                 z = layout.views[k].view_as(e.z).clone()
             z = z.to(self.state_dtype)
             if self.delta_coded:
-                z += sparsity.apply_masks(e.z, e.rows, e.cols) if e.structured else e.z
+                base = e.z if bases is None else bases[k]
+                z += sparsity.apply_masks(base, e.rows, e.cols) if e.structured else base
             z_new.append(z)
         return z_new
 
@@ -650,7 +668,10 @@ class HSADMM:
         if self.delta_coded and self._pending_ef:   # leaders: the errors of this round's rounding
             for ef, new in zip([e.ef for e in self.entries] + self._buffer_ef, self._pending_ef):
                 ef.copy_(new)
-        self._pending_ef = None
+        if self.delta_coded and self._pending_ef_spine:   # rack leaders: the spine's
+            for ef, new in zip([e.ef_spine for e in self.entries] + self._buffer_ef_spine, self._pending_ef_spine):
+                ef.copy_(new)
+        self._pending_ef = self._pending_ef_spine = None
 
     def _relaxed_theta(self, e: Entry) -> torch.Tensor:
         """What the z_i-step and u's update see of θ: α·θ + (1 − α)·z_i, with this round's old z_i (θ itself at
@@ -983,10 +1004,13 @@ class HSADMM:
                                  "rows": None if e.rows is None else e.rows.clone(),
                                  "cols": None if e.cols is None else e.cols.clone(),
                                  "ef": None if e.ef is None else e.ef.clone(),
-                                 **({"w": e.w.clone(), "t": e.t.clone(), "rho3": e.rho3} if e.w is not None else {})}
+                                 **({"w": e.w.clone(), "t": e.t.clone(), "rho3": e.rho3,
+                                     "ef_spine": None if e.ef_spine is None else e.ef_spine.clone()}
+                                    if e.w is not None else {})}
                         for e in self.entries},
             "round_buffers": {name: b.clone() for (name, _), b in zip(self.buffers, self._round_buffers)},
             "buffer_ef": {name: ef.clone() for (name, _), ef in zip(self.buffers, self._buffer_ef)},
+            "buffer_ef_spine": {name: ef.clone() for (name, _), ef in zip(self.buffers, self._buffer_ef_spine)},
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -1007,6 +1031,8 @@ class HSADMM:
                 getattr(e, key).copy_(s[key])
             if self.rack_tier:
                 e.rho3 = float(s["rho3"])
+            if e.ef_spine is not None:
+                e.ef_spine.copy_(s["ef_spine"] if s.get("ef_spine") is not None else torch.zeros_like(e.ef_spine))
             e.rho1, e.rho2, e.residuals = float(s["rho1"]), float(s["rho2"]), dict(s["residuals"])
             if e.ef is not None:   # a narrow payload's pending error (zero if saved without one)
                 e.ef.copy_(s["ef"] if s.get("ef") is not None else torch.zeros_like(e.ef))
@@ -1020,6 +1046,9 @@ class HSADMM:
             avg.copy_(saved.get(name, b))
         saved_ef = sd.get("buffer_ef", {})
         for (name, _), ef in zip(self.buffers, self._buffer_ef):
+            ef.copy_(saved_ef[name] if name in saved_ef else torch.zeros_like(ef))
+        saved_ef = sd.get("buffer_ef_spine", {})
+        for (name, _), ef in zip(self.buffers, self._buffer_ef_spine):
             ef.copy_(saved_ef[name] if name in saved_ef else torch.zeros_like(ef))
         self._compact = self._support = None
         self._in_flight = None
