@@ -2,7 +2,7 @@
 
     sudo python benchmarks/emulated_cluster.py --hosts 2 --ranks-per-host 2 --bandwidths 100mbit,1gbit \
         --methods dense,topk,pactrain,prunex-flat,prunex --target 0.90 --out runs/cluster [--latency 0ms] \
-        [--max-minutes 40] [--run-timeout 600]
+        [--max-minutes 40] [--run-timeout 600] [--racks 2 --spine-bandwidth 100mbit --spine-latency 0ms]
     sudo python benchmarks/emulated_cluster.py --cleanup        # remove what an interrupted run left behind
 
 PacTrain's testbed methodology made real on one box. The script builds
@@ -17,6 +17,19 @@ host link is shaped in both directions with ``tc`` (tbf at the given rate on the
 egress, and on its switch port = its ingress; ``--latency D`` adds a netem delay of D/2 at each of the two,
 so D is the one-way host-to-host latency). Jumbo frames (``--mtu 9000``) and GSO capped at the MTU, so that
 the kernel's counters count the frames a physical NIC would put on the wire.
+
+Racks (``--racks R``, R > 1; ``--hosts`` must be a multiple of R): host k is in rack k // (M/R). Instead of
+``pxhsw`` there is one switch per rack, ``pxhsw0 … pxhsw{R-1}`` (each its own bridge ``br0``; host k's port
+``hk`` is on its rack's switch), and ``pxhspine``, the spine switch (a bridge ``br0`` and nothing else). Each rack
+switch's port ``uplink`` is a veth to the spine's port ``rack{r}``: one flat L2 segment and subnet, no address on
+a switch. Every spine link is shaped like a host link, in both directions (tbf at ``--spine-bandwidth``, default
+the run's host bandwidth, on ``uplink`` = the rack's egress and on ``rack{r}`` = its ingress; netem delay
+``--spine-latency``/2 at each, so a frame between two racks gains ``--spine-latency`` one way: it leaves over
+its rack's uplink and enters over the other's). ``pxhrun`` is on rack 0's switch (port ``run``, unshaped), so
+its control traffic with racks 1.. crosses the spine: an htb qdisc on both ends of its link counts it per rack
+(one class per rack at 100 Gbit/s, a counter rather than a limit; u32 filters by host address). Every job gets
+``--nodes-per-rack M/R`` first in its train arguments (a method's own ``--nodes-per-rack`` wins), so the
+library's topology knows the racks. ``--racks 1`` (the default) is the build above, unchanged.
 
 Ranks are launched by ``mpirun -H pxh0:P,pxh1:P,…`` with ``benchmarks/cluster/nsrsh`` as rsh agent (it runs
 the ``orted`` of host k inside ``pxhk``): Open MPI and Horovod see M real hosts, so node grouping comes from
@@ -38,6 +51,17 @@ included). Two library figures sit next to them: ``library_inter_bytes`` (``metr
 training traffic) and ``library_ledger_cross_node_bytes`` (every collective the accounting layer saw,
 including the initial model broadcast and evaluation bookkeeping; written by ``cluster/train_entry.py``
 into ``ledger.json``). A job stopped by ``--run-timeout`` still reports its time to target if it got there.
+With racks a record adds ``kernel_spine_bytes``: Σ over racks of ``tx_bytes`` of the rack switch's ``uplink``
+(the frames that left a rack for another: both directions of every rack pair, each frame once), minus the
+launcher's frames with racks 1.. (the htb counters; its ARP broadcasts stay in, a few hundred bytes);
+``kernel_spine_bytes_spine_side`` the same counted where the frames enter a rack (Σ ``tx_bytes`` of the spine's
+``rack{r}``); ``kernel_spine_launcher_bytes`` what was taken out; ``kernel_spine_bytes_by_link`` per uplink
+``{out_bytes, in_bytes}`` (leaving / entering that rack, launcher taken out); ``library_ledger_cross_rack_bytes``
+(Σ over ranks of the ledger's ``total.cross_rack_bytes``: bytes whose ring successor is in another rack) with
+``library_ledger_cross_rack_by_op`` and ``kernel_spine_over_ledger_cross_rack``. The document's ``cluster`` then
+records ``racks``, ``hosts_per_rack``, ``rack_of_host``, ``spine_bandwidth`` and ``spine_shaping`` (per host
+bandwidth), ``spine_latency_one_way_ms``, and ``spine_check_mbit``: one TCP stream's goodput pxh0 → the first host
+of rack 1 (``link_check_mbit`` stays pxh0 → pxh1, within rack 0; ``null`` with one host per rack).
 
 Open MPI's ``tuned`` collectives are forced to the ring algorithms (``--collectives ring``, the default) so
 that the wire carries what the library's ring model accounts; ``--collectives default`` leaves Open MPI's
@@ -76,8 +100,10 @@ ENTRY = os.path.join(HERE, "cluster", "train_entry.py")
 
 SUBNET = "10.77.0"
 SWITCH_NS = "pxhsw"
+SPINE_NS = "pxhspine"
 LAUNCH_NS = "pxhrun"
 HOST_RE = re.compile(r"^pxh\d+$")
+RACK_SWITCH_RE = re.compile(r"^pxhsw\d+$")   # pxhsw0, pxhsw1, ...: one switch per rack with --racks > 1
 ALL_METHODS = ("dense", "topk", "pactrain", "localsgd", "localsgd-hier", "diloco", "prunex-flat", "prunex")
 HOROVOD_METHODS = {"dense"}            # methods whose tensors go through Horovod itself
 HEADER_BYTES = 66                      # Ethernet 14 + IPv4 20 + TCP 20 + timestamps 12, per frame
@@ -136,10 +162,14 @@ def preflight() -> Optional[str]:
     return None
 
 
+def is_switch(name: str) -> bool:
+    return name in (SWITCH_NS, SPINE_NS) or bool(RACK_SWITCH_RE.match(name))
+
+
 def our_namespaces() -> List[str]:
     r = sh("ip", "netns", "list", check=False, capture=True)
     names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
-    return [n for n in names if HOST_RE.match(n) or n in (SWITCH_NS, LAUNCH_NS)]
+    return [n for n in names if HOST_RE.match(n) or is_switch(n) or n == LAUNCH_NS]
 
 
 def kill_namespace_processes(names: List[str]) -> int:
@@ -187,8 +217,8 @@ def teardown() -> List[str]:
     if not names:
         return []
     kill_namespace_processes(names)
-    # the switch first: deleting it removes the bridge and the switch end of every veth (and so its peer)
-    for ns in sorted(names, key=lambda n: n != SWITCH_NS):
+    # the switches first: deleting one removes its bridge and the switch end of every veth (and so its peer)
+    for ns in sorted(names, key=lambda n: not is_switch(n)):
         sh("ip", "netns", "delete", ns, check=False)
     left = our_namespaces()
     if left:
@@ -202,47 +232,118 @@ def in_ns(ns: str, *cmd: str, **kw) -> subprocess.CompletedProcess:
     return sh("ip", "netns", "exec", ns, *cmd, **kw)
 
 
-def build(hosts: int, mtu: int) -> None:
+def rack_of_hosts(hosts: int, racks: int) -> List[int]:
+    """Rack of every host: host k is in rack k // (hosts / racks)."""
+    if racks < 1 or hosts % racks:
+        raise ValueError(f"--racks {racks}: the {hosts} hosts do not split into {racks} racks of equal size "
+                         f"(--hosts must be a multiple of --racks)")
+    per_rack = hosts // racks
+    return [k // per_rack for k in range(hosts)]
+
+
+def switch_names(racks: int) -> List[str]:
+    return [SWITCH_NS] if racks == 1 else [f"{SWITCH_NS}{r}" for r in range(racks)]
+
+
+def host_switches(hosts: int, racks: int) -> List[str]:
+    """The switch namespace every host is attached to."""
+    switches = switch_names(racks)
+    return [switches[r] for r in rack_of_hosts(hosts, racks)]
+
+
+def build(hosts: int, mtu: int, racks: int = 1) -> None:
     host_names = [f"pxh{k}" for k in range(hosts)]
-    for ns in (SWITCH_NS, LAUNCH_NS, *host_names):
+    switches = switch_names(racks)
+    bridges = switches + ([SPINE_NS] if racks > 1 else [])
+    for ns in (*bridges, LAUNCH_NS, *host_names):
         sh("ip", "netns", "add", ns)
         # no IPv6: no router solicitations, DAD or MLD reports on the counted links
         in_ns(ns, "sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
                               "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6", check=False)
         sh("ip", "-n", ns, "link", "set", "lo", "up")
-    sh("ip", "-n", SWITCH_NS, "link", "add", "br0", "type", "bridge", "forward_delay", "0", "stp_state", "0")
-    sh("ip", "-n", SWITCH_NS, "link", "set", "br0", "mtu", str(mtu))
-    ends = [(ns, f"h{k}", f"{SUBNET}.{k + 1}") for k, ns in enumerate(host_names)]
-    ends.append((LAUNCH_NS, "run", f"{SUBNET}.254"))
-    for ns, port, addr in ends:
-        sh("ip", "-n", SWITCH_NS, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        for where, dev in ((SWITCH_NS, port), (ns, "eth0")):
+    for sw in bridges:
+        sh("ip", "-n", sw, "link", "add", "br0", "type", "bridge", "forward_delay", "0", "stp_state", "0")
+        sh("ip", "-n", sw, "link", "set", "br0", "mtu", str(mtu))
+    ends = [(sw, ns, f"h{k}", f"{SUBNET}.{k + 1}")
+            for k, (ns, sw) in enumerate(zip(host_names, host_switches(hosts, racks)))]
+    ends.append((switches[0], LAUNCH_NS, "run", f"{SUBNET}.254"))
+    for sw, ns, port, addr in ends:
+        sh("ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        for where, dev in ((sw, port), (ns, "eth0")):
             sh("ip", "-n", where, "link", "set", dev, "mtu", str(mtu), "gso_max_size", str(mtu))
-        sh("ip", "-n", SWITCH_NS, "link", "set", port, "master", "br0")
-        sh("ip", "-n", SWITCH_NS, "link", "set", port, "up")
+        sh("ip", "-n", sw, "link", "set", port, "master", "br0")
+        sh("ip", "-n", sw, "link", "set", port, "up")
         sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
         sh("ip", "-n", ns, "link", "set", "eth0", "up")
-    sh("ip", "-n", SWITCH_NS, "link", "set", "br0", "up")
+    # spine links: rack r's switch port "uplink" to the spine's port "rack{r}", pure L2 (one subnet, no address)
+    for r, sw in enumerate(switches if racks > 1 else []):
+        sh("ip", "-n", sw, "link", "add", "uplink", "type", "veth", "peer", "name", f"rack{r}", "netns", SPINE_NS)
+        for where, dev in ((sw, "uplink"), (SPINE_NS, f"rack{r}")):
+            sh("ip", "-n", where, "link", "set", dev, "mtu", str(mtu), "gso_max_size", str(mtu))
+            sh("ip", "-n", where, "link", "set", dev, "master", "br0")
+            sh("ip", "-n", where, "link", "set", dev, "up")
+    for sw in bridges:
+        sh("ip", "-n", sw, "link", "set", "br0", "up")
+    if racks > 1:
+        count_launcher_by_rack(hosts, racks)
 
 
-def shape(hosts: int, rate_bps: float, latency_ms: float, mtu: int) -> Dict[str, str]:
-    """tbf at ``rate`` on both directions of every host link; netem delay latency/2 under each tbf."""
+def count_launcher_by_rack(hosts: int, racks: int) -> None:
+    """The launcher sits in rack 0, so its control traffic with hosts of other racks crosses the spine: count it
+    per rack, to subtract it. An HTB qdisc on both ends of the launcher's (unshaped) link, one class per rack at
+    100 Gbit/s (a counter, not a limit), u32 filters by host address; other frames (ARP) bypass the classes."""
+    rack = rack_of_hosts(hosts, racks)
+    for ns, dev, field in ((LAUNCH_NS, "eth0", "dst"), (switch_names(racks)[0], "run", "src")):
+        cmds = [["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb"]]
+        cmds += [["class", "add", "dev", dev, "parent", "1:", "classid", f"1:{r + 1:x}", "htb", "rate", "100gbit",
+                  "burst", "1mb", "cburst", "1mb", "quantum", "60000"] for r in range(racks)]
+        cmds += [["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
+                  field, f"{SUBNET}.{k + 1}/32", "flowid", f"1:{rack[k] + 1:x}"] for k in range(hosts)]
+        for cmd in cmds:
+            r = sh("tc", "-n", ns, *cmd, check=False)
+            if r.returncode:
+                raise RuntimeError(f"--racks counts the launcher's traffic per rack with tc's htb qdisc and u32 "
+                                   f"filter, which this kernel refuses (tc {' '.join(cmd)}: {r.stderr.strip()})")
+
+
+def parse_htb_bytes(text: str) -> Dict[int, int]:
+    """``tc -s class show`` of :func:`count_launcher_by_rack`'s qdisc → {rack: bytes sent}."""
+    return {int(m.group(1), 16) - 1: int(m.group(2))
+            for m in re.finditer(r"class htb 1:([0-9a-f]+) .*?Sent (\d+) bytes", text, re.S)}
+
+
+def shape_dev(ns: str, dev: str, rate_bps: float, latency_ms: float, mtu: int, flag: str = "--latency") -> str:
+    """tbf at ``rate`` on the egress of one device, netem delay ``latency_ms`` under it; returns the command."""
     burst = max(16 * 1024, 2 * (mtu + 14), int(rate_bps / 8 * 1e-3))   # ≥ 1 ms of line rate
-    rate = f"{int(rate_bps)}bit"
+    sh("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
+    tbf = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", f"{int(rate_bps)}bit",
+           "burst", str(burst), "latency", "100ms"]
+    sh(*tbf)
+    if latency_ms > 0:
+        r = sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem",
+               "delay", f"{latency_ms:g}ms", "limit", "100000", check=False)
+        if r.returncode:
+            raise RuntimeError(f"{flag} needs tc's netem qdisc, which this kernel refuses "
+                               f"({r.stderr.strip()}; module sch_netem missing?): run with {flag} 0ms")
+    return " ".join(tbf[3:]) + (f" + netem delay {latency_ms:g}ms" if latency_ms else "")
+
+
+def shape(hosts: int, rate_bps: float, latency_ms: float, mtu: int, racks: int = 1) -> Dict[str, str]:
+    """tbf at ``rate`` on both directions of every host link; netem delay latency/2 under each tbf."""
     cmds = {}
-    for k in range(hosts):
-        for ns, dev in ((f"pxh{k}", "eth0"), (SWITCH_NS, f"h{k}")):
-            sh("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
-            tbf = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", rate,
-                   "burst", str(burst), "latency", "100ms"]
-            sh(*tbf)
-            if latency_ms > 0:
-                r = sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem",
-                       "delay", f"{latency_ms / 2:g}ms", "limit", "100000", check=False)
-                if r.returncode:
-                    raise RuntimeError(f"--latency needs tc's netem qdisc, which this kernel refuses "
-                                       f"({r.stderr.strip()}; module sch_netem missing?): run with --latency 0ms")
-            cmds[f"{ns}/{dev}"] = " ".join(tbf[3:]) + (f" + netem delay {latency_ms / 2:g}ms" if latency_ms else "")
+    for k, sw in enumerate(host_switches(hosts, racks)):
+        for ns, dev in ((f"pxh{k}", "eth0"), (sw, f"h{k}")):
+            cmds[f"{ns}/{dev}"] = shape_dev(ns, dev, rate_bps, latency_ms / 2, mtu)
+    return cmds
+
+
+def shape_spine(racks: int, rate_bps: float, latency_ms: float, mtu: int) -> Dict[str, str]:
+    """The same on both directions of every spine link: a frame between two racks crosses two of them (its rack's
+    uplink, then the other rack's downlink), so latency/2 on each is ``latency`` rack to rack."""
+    cmds = {}
+    for r, sw in enumerate(switch_names(racks)):
+        for ns, dev in ((sw, "uplink"), (SPINE_NS, f"rack{r}")):
+            cmds[f"{ns}/{dev}"] = shape_dev(ns, dev, rate_bps, latency_ms / 2, mtu, flag="--spine-latency")
     return cmds
 
 
@@ -268,12 +369,13 @@ else:
 """
 
 
-def link_check(seconds: float = 2.0) -> Optional[float]:
-    """TCP goodput pxh0 → pxh1 in Mbit/s (one stream), to confirm the shaping."""
-    server = subprocess.Popen(["ip", "netns", "exec", "pxh1", sys.executable, "-c", _TPUT, "server",
-                               f"{SUBNET}.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def link_check(seconds: float = 2.0, src: int = 0, dst: int = 1) -> Optional[float]:
+    """TCP goodput pxh{src} → pxh{dst} in Mbit/s (one stream), to confirm the shaping."""
+    addr = f"{SUBNET}.{dst + 1}"
+    server = subprocess.Popen(["ip", "netns", "exec", f"pxh{dst}", sys.executable, "-c", _TPUT, "server",
+                               addr], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        in_ns("pxh0", sys.executable, "-c", _TPUT, "client", f"{SUBNET}.2", str(seconds), check=False)
+        in_ns(f"pxh{src}", sys.executable, "-c", _TPUT, "client", addr, str(seconds), check=False)
         out, _ = server.communicate(timeout=30)
         return round(float(out.strip()), 1)
     except (subprocess.TimeoutExpired, ValueError):
@@ -291,24 +393,58 @@ def read_stats(ns: str, dev: str) -> Dict[str, int]:
     return dict(zip(keys, map(int, r.stdout.split())))
 
 
-def snapshot(hosts: int) -> Dict[str, Dict[str, int]]:
+def read_launcher_by_rack(ns: str, dev: str) -> Dict[int, int]:
+    return parse_htb_bytes(sh("tc", "-n", ns, "-s", "class", "show", "dev", dev, capture=True).stdout)
+
+
+def snapshot(hosts: int, racks: int = 1) -> Dict[str, Dict[str, int]]:
     snap = {f"pxh{k}/eth0": read_stats(f"pxh{k}", "eth0") for k in range(hosts)}
-    snap.update({f"{SWITCH_NS}/h{k}": read_stats(SWITCH_NS, f"h{k}") for k in range(hosts)})
+    snap.update({f"{sw}/h{k}": read_stats(sw, f"h{k}") for k, sw in enumerate(host_switches(hosts, racks))})
     snap[f"{LAUNCH_NS}/eth0"] = read_stats(LAUNCH_NS, "eth0")
+    if racks > 1:
+        for r, sw in enumerate(switch_names(racks)):
+            snap[f"{sw}/uplink"] = read_stats(sw, "uplink")
+            snap[f"{SPINE_NS}/rack{r}"] = read_stats(SPINE_NS, f"rack{r}")
+        to_rack = read_launcher_by_rack(LAUNCH_NS, "eth0")
+        from_rack = read_launcher_by_rack(switch_names(racks)[0], "run")
+        for r in range(racks):
+            snap[f"launcher->rack{r}"] = {"tx_bytes": to_rack.get(r, 0)}
+            snap[f"rack{r}->launcher"] = {"tx_bytes": from_rack.get(r, 0)}
     return snap
 
 
-def kernel_traffic(before, after, hosts: int) -> Dict[str, object]:
+def kernel_traffic(before, after, hosts: int, racks: int = 1) -> Dict[str, object]:
     d = {k: {s: after[k][s] - before[k][s] for s in after[k]} for k in after}
     run = d[f"{LAUNCH_NS}/eth0"]
     host_tx = {f"pxh{k}": d[f"pxh{k}/eth0"]["tx_bytes"] for k in range(hosts)}
     inter = sum(host_tx.values()) - run["rx_bytes"]
     packets = sum(d[f"pxh{k}/eth0"]["tx_packets"] for k in range(hosts)) - run["rx_packets"]
-    switch = sum(d[f"{SWITCH_NS}/h{k}"]["tx_bytes"] for k in range(hosts)) - run["tx_bytes"]
-    return {"kernel_inter_bytes": inter, "kernel_inter_packets": packets,
-            "kernel_inter_payload_bytes_est": inter - HEADER_BYTES * packets,
-            "kernel_inter_bytes_switch": switch, "kernel_tx_bytes_by_host": host_tx,
-            "kernel_launcher_bytes": run["rx_bytes"] + run["tx_bytes"]}
+    switch = sum(d[f"{sw}/h{k}"]["tx_bytes"] for k, sw in enumerate(host_switches(hosts, racks))) - run["tx_bytes"]
+    out = {"kernel_inter_bytes": inter, "kernel_inter_packets": packets,
+           "kernel_inter_payload_bytes_est": inter - HEADER_BYTES * packets,
+           "kernel_inter_bytes_switch": switch, "kernel_tx_bytes_by_host": host_tx,
+           "kernel_launcher_bytes": run["rx_bytes"] + run["tx_bytes"]}
+    if racks > 1:
+        out.update(spine_traffic(d, racks))
+    return out
+
+
+def spine_traffic(d: Dict[str, Dict[str, int]], racks: int) -> Dict[str, object]:
+    """Bytes between racks from the counter deltas ``d``: rack r's out = ``tx_bytes`` of its switch's uplink, its
+    in = ``tx_bytes`` of the spine's port toward it, each less the launcher's share. The launcher is in rack 0:
+    its frames to rack r ≥ 1 leave over rack 0's uplink and enter over rack r's, and the replies the other way."""
+    to_rack = [d[f"launcher->rack{r}"]["tx_bytes"] for r in range(racks)]
+    from_rack = [d[f"rack{r}->launcher"]["tx_bytes"] for r in range(racks)]
+    launcher_out = [sum(to_rack[1:])] + from_rack[1:]
+    launcher_in = [sum(from_rack[1:])] + to_rack[1:]
+    by_link = {}
+    for r, sw in enumerate(switch_names(racks)):
+        by_link[f"{sw}/uplink"] = {"out_bytes": d[f"{sw}/uplink"]["tx_bytes"] - launcher_out[r],
+                                   "in_bytes": d[f"{SPINE_NS}/rack{r}"]["tx_bytes"] - launcher_in[r]}
+    return {"kernel_spine_bytes": sum(v["out_bytes"] for v in by_link.values()),
+            "kernel_spine_bytes_spine_side": sum(v["in_bytes"] for v in by_link.values()),
+            "kernel_spine_launcher_bytes": sum(to_rack[1:]) + sum(from_rack[1:]),
+            "kernel_spine_bytes_by_link": by_link}
 
 
 # ---------------------------------------------------------------- one job
@@ -320,6 +456,16 @@ def mpirun_command(hosts: int, per_host: int, mca: Dict[str, str], train_argv: L
     for key, value in mca.items():
         cmd += ["--mca", key, value]
     return cmd + [sys.executable, ENTRY, "train", *train_argv]
+
+
+def job_argv(args, method: str, out_dir: str) -> List[str]:
+    name = parse_method(method)[0]
+    # with racks the library's topology learns them (its ledger then counts cross_rack_bytes); first, so that a
+    # method's own --nodes-per-rack still wins (later flags win in argparse, as a method's own args over the
+    # shared ones)
+    racks = ["--nodes-per-rack", str(args.hosts // args.racks)] if args.racks > 1 else []
+    return racks + args.train_args.split() + args.method_args.get(method, args.method_args.get(name, "")).split() \
+        + ["--method", name, "--out", out_dir]
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -335,7 +481,7 @@ def kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def read_metrics(out_dir: str, target: float) -> Dict[str, object]:
+def read_metrics(out_dir: str, target: float, racks: int = 1) -> Dict[str, object]:
     res = {"time_to_target_s": None, "round_at_target": None, "epoch_at_target": None, "final_test_acc": None,
            "library_inter_bytes": None, "train_wall_s": None, "num_nodes": None, "ranks_per_node": None,
            "topology_grouping": None, "launcher": None, "rounds": None}
@@ -375,6 +521,7 @@ def read_metrics(out_dir: str, target: float) -> Dict[str, object]:
                        exchange_wait_per_round_s=round(s["exchange_wait_s"] / max(1, s["rounds"]), 4))
     except (OSError, ValueError, KeyError):
         pass
+    led = None
     try:
         with open(os.path.join(out_dir, "ledger.json")) as f:
             led = json.load(f)
@@ -383,6 +530,13 @@ def read_metrics(out_dir: str, target: float) -> Dict[str, object]:
                                        if v["cross_node_bytes"]}
     except (OSError, ValueError, KeyError):
         res["library_ledger_cross_node_bytes"] = None
+    if racks > 1:   # every rank's ring successor in another rack, as the topology (--nodes-per-rack) sees racks
+        try:
+            res["library_ledger_cross_rack_bytes"] = sum(r["total"]["cross_rack_bytes"] for r in led["ranks"])
+            res["library_ledger_cross_rack_by_op"] = {k: v["cross_rack_bytes"] for k, v in led["by_tier_op"].items()
+                                                      if v.get("cross_rack_bytes")}
+        except (TypeError, KeyError):   # no ledger (a failed job), or one from before racks
+            res["library_ledger_cross_rack_bytes"] = None
     try:
         with open(os.path.join(out_dir, "config.json")) as f:
             c = json.load(f)
@@ -406,12 +560,9 @@ def run_one(args, bw: str, method: str, mca: Dict[str, str], timeout_s: float) -
                # torch.distributed (the round-based rivals' averaging): rank 0 sits on pxh0, and gloo talks
                # on the host's one interface (the host names resolve to nothing inside the namespaces)
                PRUNEX_MASTER_ADDR=f"{SUBNET}.1", GLOO_SOCKET_IFNAME="eth0")
-    # later flags win in argparse: a method's own args override the shared ones
-    train_argv = args.train_args.split() + args.method_args.get(method, args.method_args.get(name, "")).split() \
-        + ["--method", name, "--out", out_dir]
-    cmd = mpirun_command(args.hosts, args.ranks_per_host, mca, train_argv)
+    cmd = mpirun_command(args.hosts, args.ranks_per_host, mca, job_argv(args, method, out_dir))
     log(f"{bw} {method}: start (timeout {timeout_s:.0f} s, control plane {control})")
-    before = snapshot(args.hosts)
+    before = snapshot(args.hosts, args.racks)
     load0 = os.getloadavg()[0]   # other work on the host skews wall times: record the load
     t0 = time.perf_counter()
     status, rc = "ok", None
@@ -434,11 +585,11 @@ def run_one(args, bw: str, method: str, mca: Dict[str, str], timeout_s: float) -
     kill_namespace_processes([f"pxh{k}" for k in range(args.hosts)] + [LAUNCH_NS])   # stragglers
     reap()
     job_s = time.perf_counter() - t0
-    after = snapshot(args.hosts)
+    after = snapshot(args.hosts, args.racks)
     rec = {"bandwidth": bw, "method": method, "status": status, "rc": rc, "job_wall_s": round(job_s, 1),
            "control_plane": control, "out": out_dir, "loadavg_1m_before_after": [load0, os.getloadavg()[0]]}
-    rec.update(read_metrics(out_dir, args.target))
-    rec.update(kernel_traffic(before, after, args.hosts))
+    rec.update(read_metrics(out_dir, args.target, args.racks))
+    rec.update(kernel_traffic(before, after, args.hosts, args.racks))
     lib = rec.get("library_inter_bytes")
     led = rec.get("library_ledger_cross_node_bytes")
     for label, num in (("kernel", rec["kernel_inter_bytes"]), ("payload_est", rec["kernel_inter_payload_bytes_est"])):
@@ -448,6 +599,11 @@ def run_one(args, bw: str, method: str, mca: Dict[str, str], timeout_s: float) -
         f"final acc {rec['final_test_acc']}, kernel {rec['kernel_inter_bytes']} B vs library {lib} B "
         f"(x{rec['kernel_over_library']}), ledger {led} B (x{rec['kernel_over_ledger']}, "
         f"payload est x{rec['payload_est_over_ledger']})")
+    if args.racks > 1:
+        cross = rec.get("library_ledger_cross_rack_bytes")
+        rec["kernel_spine_over_ledger_cross_rack"] = round(rec["kernel_spine_bytes"] / cross, 4) if cross else None
+        log(f"{bw} {method}: spine {rec['kernel_spine_bytes']} B (launcher's {rec['kernel_spine_launcher_bytes']} B "
+            f"taken out) vs ledger cross-rack {cross} B (x{rec['kernel_spine_over_ledger_cross_rack']})")
     return rec
 
 
@@ -506,6 +662,14 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidths", default="100mbit,1gbit", help="comma list, tc units (kbit, mbit, gbit)")
     p.add_argument("--latency", default="0ms", help="one-way host-to-host latency added with netem (e.g. 2ms)")
     p.add_argument("--mtu", type=int, default=9000, help="MTU of every link (GSO is capped to it)")
+    p.add_argument("--racks", type=int, default=1,
+                   help="racks R: host k in rack k // (hosts / R), one switch per rack, the racks' switches joined "
+                        "by a spine switch; every job gets --nodes-per-rack hosts/R (1: one switch, no spine)")
+    p.add_argument("--spine-bandwidth", default=None,
+                   help="rate of every rack's link to the spine, each direction, tc units (default: the host "
+                        "bandwidth of the run); ignored with --racks 1")
+    p.add_argument("--spine-latency", default="0ms",
+                   help="extra one-way latency between hosts of different racks (netem); ignored with --racks 1")
     p.add_argument("--methods", default=",".join(ALL_METHODS),
                    help="comma list; METHOD@mpi or METHOD@horovod runs it under that control plane "
                         "(dense@mpi: the library's bucketed allreduce over mpi4py instead of Horovod's optimizer); "
@@ -534,6 +698,8 @@ def main(argv=None) -> int:
         bandwidths = [b.strip() for b in args.bandwidths.split(",") if b.strip()]
         rates = {b: parse_rate(b) for b in bandwidths}
         latency_ms = parse_ms(args.latency)
+        spine_bps = parse_rate(args.spine_bandwidth) if args.spine_bandwidth else None
+        spine_latency_ms = parse_ms(args.spine_latency)
     except ValueError as exc:
         p.error(str(exc))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -543,6 +709,10 @@ def main(argv=None) -> int:
         p.error(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
     if not (1 <= args.hosts <= 250) or args.ranks_per_host < 1:
         p.error("need 1 <= --hosts <= 250 and --ranks-per-host >= 1")
+    try:
+        rack_of = rack_of_hosts(args.hosts, args.racks)
+    except ValueError as exc:
+        p.error(str(exc))
     method_args = {}
     for item in args.method_args:
         m, sep, extra = item.partition("=")
@@ -584,6 +754,8 @@ def main(argv=None) -> int:
     become_subreaper()
 
     deadline = time.monotonic() + 60 * args.max_minutes
+    racked = args.racks > 1
+    per_rack = args.hosts // args.racks
     doc = {"benchmark": "emulated_cluster",
            "cluster": {"hosts": args.hosts, "ranks_per_host": args.ranks_per_host, "mtu": args.mtu,
                        "gso_max_size": args.mtu, "latency_one_way_ms": latency_ms,
@@ -596,15 +768,35 @@ def main(argv=None) -> int:
                        "shaping": {}, "link_check_mbit": {}},
            "mpirun_mca": mca, "collectives": args.collectives, "control_plane": args.control_plane,
            "train_args": args.train_args, "method_args": args.method_args, "target": args.target, "results": [], "summary": {}}
+    if racked:
+        doc["cluster"].update(
+            racks=args.racks, hosts_per_rack=per_rack, rack_of_host={f"pxh{k}": r for k, r in enumerate(rack_of)},
+            spine_bandwidth={}, spine_latency_one_way_ms=spine_latency_ms, spine_shaping={}, spine_check_mbit={},
+            kernel_spine_bytes="sum over racks of tx_bytes of the rack switch's uplink (bytes leaving a rack for "
+                               "another), minus the launcher's traffic with racks 1.. (htb class counters on its "
+                               "link); whole job")
+        doc["cluster"]["namespaces"] = {"hosts": [f"pxh{k}" for k in range(args.hosts)],
+                                        "switches": switch_names(args.racks), "spine": SPINE_NS, "launcher": LAUNCH_NS}
     status = 0
     try:
-        log(f"building {args.hosts} hosts x {args.ranks_per_host} ranks (mtu {args.mtu})")
-        build(args.hosts, args.mtu)
+        log(f"building {args.hosts} hosts x {args.ranks_per_host} ranks (mtu {args.mtu})"
+            + (f" in {args.racks} racks of {per_rack}" if racked else ""))
+        build(args.hosts, args.mtu, args.racks)
         for bw in bandwidths:
-            doc["cluster"]["shaping"][bw] = shape(args.hosts, rates[bw], latency_ms, args.mtu)
-            if args.hosts >= 2:
+            doc["cluster"]["shaping"][bw] = shape(args.hosts, rates[bw], latency_ms, args.mtu, args.racks)
+            if racked:
+                doc["cluster"]["spine_bandwidth"][bw] = args.spine_bandwidth or bw
+                doc["cluster"]["spine_shaping"][bw] = shape_spine(args.racks, spine_bps or rates[bw],
+                                                                  spine_latency_ms, args.mtu)
+            if args.hosts >= 2 and per_rack >= 2:   # pxh0 and pxh1 share a switch
                 doc["cluster"]["link_check_mbit"][bw] = link_check()
                 log(f"{bw}: one TCP stream pxh0 -> pxh1 gets {doc['cluster']['link_check_mbit'][bw]} Mbit/s")
+            elif racked:
+                doc["cluster"]["link_check_mbit"][bw] = None   # one host per rack: no pair behind one switch
+            if racked:
+                doc["cluster"]["spine_check_mbit"][bw] = link_check(dst=per_rack)
+                log(f"{bw}: one TCP stream pxh0 -> pxh{per_rack} (rack 0 -> rack 1, spine "
+                    f"{doc['cluster']['spine_bandwidth'][bw]}) gets {doc['cluster']['spine_check_mbit'][bw]} Mbit/s")
             for method in methods:
                 left = deadline - time.monotonic()
                 if left < 30:

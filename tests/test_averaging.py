@@ -82,3 +82,19 @@ def test_state_dict_round_trip():
     assert opt2.rounds_done() == 1 and opt2.stats()["steps"] == 3
     assert all(torch.equal(a, b) for a, b in zip(opt2._global, opt._global))
     assert opt2._outer.state_dict()["state"].keys() == opt._outer.state_dict()["state"].keys()
+
+
+def test_a_round_counts_the_bytes_that_leave_the_rack():
+    """World ring 0→1→2→3→0 on racks (0, 0, 1, 1): every rank's allreduce share leaves its node, only ranks 1's
+    and 3's leave the rack (the ledger's cross_rack_bytes, not its cross_node_bytes again)."""
+    from types import SimpleNamespace
+    from prunex_hvd.dist.comm.accounting import CommLedger
+
+    _, opt = wrapped(averaging.LocalSGD, period=2)
+    params = [torch.zeros(100)]   # 400 bytes: each rank sends 2·3/4 of them
+    for rank, leaves_rack in ((0, False), (1, True), (2, False), (3, True)):
+        group = SimpleNamespace(ledger=CommLedger(), tier="world", backend="gloo", rank=rank, size=4,
+                                nodes=(0, 1, 2, 3), racks=(0, 0, 1, 1))
+        opt._record(params, group, 0.0)
+        world = group.ledger.summary()["world"]
+        assert world["cross_node_bytes"] == 600 and world["cross_rack_bytes"] == (600 if leaves_rack else 0)

@@ -2,6 +2,7 @@
 and which rival PruneX is measured against."""
 import importlib.util
 import json
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,102 @@ def test_bad_jobs_are_refused_before_anything_is_built(cluster, capsys, argv, me
     with pytest.raises(SystemExit):
         cluster.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_hosts_fill_racks_in_order_one_switch_each(cluster):
+    assert cluster.rack_of_hosts(4, 2) == [0, 0, 1, 1]
+    assert cluster.rack_of_hosts(6, 3) == [0, 0, 1, 1, 2, 2]
+    assert cluster.host_switches(4, 2) == ["pxhsw0", "pxhsw0", "pxhsw1", "pxhsw1"]
+    assert cluster.host_switches(3, 1) == ["pxhsw"] * 3   # one rack: the single switch of old
+    assert cluster.switch_names(3) == ["pxhsw0", "pxhsw1", "pxhsw2"]
+    with pytest.raises(ValueError, match="do not split into 2 racks"):
+        cluster.rack_of_hosts(5, 2)
+
+
+def test_every_namespace_of_a_rack_build_is_ours(cluster, monkeypatch):
+    listed = "pxh0 (id: 3)\npxh12\npxhsw\npxhsw0\npxhsw11\npxhspine\npxhrun\npxhswx\nother\npxh\n"
+    monkeypatch.setattr(cluster, "sh", lambda *cmd, **kw: cluster.subprocess.CompletedProcess(cmd, 0, listed, ""))
+    assert cluster.our_namespaces() == ["pxh0", "pxh12", "pxhsw", "pxhsw0", "pxhsw11", "pxhspine", "pxhrun"]
+    # teardown deletes the switches first (each takes its veth ends, and so their peers, with it)
+    assert [n for n in cluster.our_namespaces() if cluster.is_switch(n)] == ["pxhsw", "pxhsw0", "pxhsw11", "pxhspine"]
+
+
+def test_uneven_racks_are_refused_before_anything_is_built(cluster, capsys):
+    with pytest.raises(SystemExit):
+        cluster.main(["--hosts", "6", "--racks", "4"])
+    assert "--racks 4: the 6 hosts do not split into 4 racks of equal size" in capsys.readouterr().err
+
+
+def test_jobs_learn_the_racks_first_in_their_arguments(cluster):
+    args = SimpleNamespace(hosts=4, racks=2, train_args="--epochs 2 --lr 0.1",
+                           method_args={"prunex+flat": "--nodes-per-rack 4"})
+    assert cluster.job_argv(args, "localsgd", "/o") == [
+        "--nodes-per-rack", "2", "--epochs", "2", "--lr", "0.1", "--method", "localsgd", "--out", "/o"]
+    # a method's own --nodes-per-rack comes later, and so wins
+    assert cluster.job_argv(args, "prunex+flat", "/o")[-6:] == [
+        "--nodes-per-rack", "4", "--method", "prunex", "--out", "/o"]
+    args.racks = 1   # no racks: the arguments of old
+    assert cluster.job_argv(args, "localsgd@mpi", "/o") == [
+        "--epochs", "2", "--lr", "0.1", "--method", "localsgd", "--out", "/o"]
+
+
+def test_the_launchers_htb_counters_are_read_per_rack(cluster):
+    text = ("class htb 1:1 root prio 0 rate 100Gbit ceil 100Gbit burst 1Mb cburst 1Mb \n"
+            " Sent 4200 bytes 12 pkt (dropped 0, overlimits 0 requeues 0) \n backlog 0b 0p requeues 0\n"
+            "class htb 1:a root prio 0 rate 100Gbit ceil 100Gbit burst 1Mb cburst 1Mb \n"
+            " Sent 77 bytes 1 pkt (dropped 0, overlimits 0 requeues 0) \n")
+    assert cluster.parse_htb_bytes(text) == {0: 4200, 9: 77}
+
+
+def _stats(tx=0, rx=0, txp=0, rxp=0):
+    return {"tx_bytes": tx, "tx_packets": txp, "rx_bytes": rx, "rx_packets": rxp}
+
+
+def test_spine_bytes_leave_out_the_launchers_traffic_with_other_racks(cluster, monkeypatch):
+    """4 hosts in 2 racks, launcher in rack 0: its 80 B to rack 1 leave over rack 0's uplink and enter over rack
+    1's, its 120 B from rack 1 the other way; what rack 0's hosts exchange with it never reaches the spine."""
+    after = {("pxh0", "eth0"): _stats(1000, txp=10), ("pxh1", "eth0"): _stats(2000, txp=20),
+             ("pxh2", "eth0"): _stats(3000, txp=30), ("pxh3", "eth0"): _stats(4000, txp=40),
+             ("pxhsw0", "h0"): _stats(900), ("pxhsw0", "h1"): _stats(1900), ("pxhsw1", "h2"): _stats(2900),
+             ("pxhsw1", "h3"): _stats(3900), ("pxhrun", "eth0"): _stats(140, 220, 2, 3),
+             ("pxhsw0", "uplink"): _stats(5000), ("pxhsw1", "uplink"): _stats(4000),
+             ("pxhspine", "rack0"): _stats(4010), ("pxhspine", "rack1"): _stats(5000)}
+    launcher = {("pxhrun", "eth0"): {0: 60, 1: 80}, ("pxhsw0", "run"): {0: 100, 1: 120}}
+    zero = True
+    monkeypatch.setattr(cluster, "read_stats", lambda ns, dev: _stats() if zero else after[ns, dev])
+    monkeypatch.setattr(cluster, "read_launcher_by_rack",
+                        lambda ns, dev: dict.fromkeys(launcher[ns, dev], 0) if zero else launcher[ns, dev])
+    before = cluster.snapshot(4, racks=2)
+    zero = False
+    got = cluster.kernel_traffic(before, cluster.snapshot(4, racks=2), 4, racks=2)
+    assert got["kernel_inter_bytes"] == 10000 - 220 and got["kernel_inter_packets"] == 100 - 3
+    assert got["kernel_inter_bytes_switch"] == 9600 - 140
+    assert got["kernel_spine_bytes_by_link"] == {"pxhsw0/uplink": {"out_bytes": 4920, "in_bytes": 3890},
+                                                 "pxhsw1/uplink": {"out_bytes": 3880, "in_bytes": 4920}}
+    assert got["kernel_spine_bytes"] == 8800 and got["kernel_spine_bytes_spine_side"] == 8810
+    assert got["kernel_spine_launcher_bytes"] == 200
+    # one rack: the counters and keys of old, no spine
+    del after["pxhsw0", "h0"], after["pxhsw0", "h1"], after["pxhsw1", "h2"], after["pxhsw1", "h3"]
+    after.update({("pxhsw", f"h{k}"): _stats(900 + 1000 * k) for k in range(4)})
+    zero = True
+    before = cluster.snapshot(4)
+    zero = False
+    got = cluster.kernel_traffic(before, cluster.snapshot(4), 4)
+    assert sorted(got) == ["kernel_inter_bytes", "kernel_inter_bytes_switch", "kernel_inter_packets",
+                           "kernel_inter_payload_bytes_est", "kernel_launcher_bytes", "kernel_tx_bytes_by_host"]
+    assert got["kernel_inter_bytes_switch"] == 9600 - 140
+
+
+def test_the_ledgers_cross_rack_bytes_are_read_with_racks_only(cluster, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"event": "final", "round": 4, "wall_s": 16.0}) + "\n")
+    rank = {"total": {"cross_node_bytes": 500, "cross_rack_bytes": 200}}
+    (tmp_path / "ledger.json").write_text(json.dumps({
+        "cross_node_bytes": 1000, "ranks": [rank, rank],
+        "by_tier_op": {"inter:allreduce": {"cross_node_bytes": 1000, "cross_rack_bytes": 400},
+                       "intra:allreduce": {"cross_node_bytes": 0, "cross_rack_bytes": 0}}}))
+    got = cluster.read_metrics(str(tmp_path), 0.9, racks=2)
+    assert got["library_ledger_cross_node_bytes"] == 1000 and got["library_ledger_cross_rack_bytes"] == 400
+    assert got["library_ledger_cross_rack_by_op"] == {"inter:allreduce": 400}
+    assert "library_ledger_cross_rack_bytes" not in cluster.read_metrics(str(tmp_path), 0.9)
+    (tmp_path / "ledger.json").unlink()   # a failed job writes none
+    assert cluster.read_metrics(str(tmp_path), 0.9, racks=2)["library_ledger_cross_rack_bytes"] is None

@@ -249,3 +249,18 @@ def test_without_racks_there_are_no_rack_groups_and_racks_are_nodes():
         rec = rank.ledger.records[-1]
         return g.rack, g.spine, rec.cross_node_bytes == rec.cross_rack_bytes
     assert run_ranks(2, 2, body, cluster=cluster) == [(None, None, True)] * 4
+
+
+def test_the_auto_backend_keeps_the_rack_groups_and_every_members_rack():
+    """``backend="auto"`` (the default under MPI) wraps each group: the rack and spine groups and the members'
+    racks must come through, or the rack tier finds no groups and the ledger counts every node hop as a rack's."""
+    from prunex_hvd.dist.comm.auto import AutoCommunicator, combine
+
+    for rank in thread_cluster(4, 2, nodes_per_rack=2):
+        plain, auto = rank.groups, combine(rank.groups, None)
+        for tier in ("world", "intra", "inter", "rack", "spine"):
+            a, b = getattr(plain, tier), getattr(auto, tier)
+            assert (a is None) == (b is None), tier
+            if b is not None:
+                assert isinstance(b, AutoCommunicator) and b.cpu is a and (b.ranks, b.racks) == (a.ranks, a.racks)
+        assert auto.world.racks == (0, 0, 0, 0, 1, 1, 1, 1)

@@ -11,6 +11,8 @@ The same as the ``prunex-hvd`` console script, plus two things:
   (``prunex_hvd.dist.comm.summary(by_op=True)``). ``metrics.jsonl``'s ``inter_bytes`` is a method's *training*
   traffic; the ledger also holds the collectives that are not (the initial model broadcast, tagged
   ``broadcast-init``, and evaluation bookkeeping, tagged ``eval``), all of which the kernel sees too.
+  ``cross_rack_bytes`` (in total and per ``by_tier_op`` entry) is the part whose ring successor is in another
+  rack (``--nodes-per-rack``; without racks every node is its own rack and it equals ``cross_node_bytes``).
 """
 import json
 import os
@@ -44,12 +46,14 @@ def dump_ledger(out):
         return
     by_op = {}
     for row in rows:
-        for tier in ("intra", "inter", "world"):
-            for op, v in row[tier].get("by_op", {}).items():
-                acc = by_op.setdefault(f"{tier}:{op}", {"ops": 0, "payload_bytes": 0, "cross_node_bytes": 0})
+        for tier, t in row.items():   # every tier (with racks also "rack" and "spine"); "total" has no by_op
+            for op, v in t.get("by_op", {}).items():
+                acc = by_op.setdefault(f"{tier}:{op}", {"ops": 0, "payload_bytes": 0, "cross_node_bytes": 0,
+                                                        "cross_rack_bytes": 0})
                 for k in acc:
                     acc[k] += v[k]
-    doc = {"cross_node_bytes": sum(r["total"]["cross_node_bytes"] for r in rows), "by_tier_op": by_op,
+    doc = {"cross_node_bytes": sum(r["total"]["cross_node_bytes"] for r in rows),
+           "cross_rack_bytes": sum(r["total"]["cross_rack_bytes"] for r in rows), "by_tier_op": by_op,
            "ranks": rows}
     tmp = os.path.join(out, "ledger.json.tmp")
     with open(tmp, "w") as f:

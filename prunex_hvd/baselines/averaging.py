@@ -114,7 +114,8 @@ class _RoundAveraging(MethodOptimizer):
             op="allreduce", tier=tier_group.tier, backend=tier_group.backend, payload_bytes=payload,
             wire_bytes=ring_sent_bytes("allreduce", sizes, tier_group.rank),
             cross_node_bytes=ring_cross_node_bytes("allreduce", sizes, tier_group.rank, tier_group.nodes),
-            seconds=time.perf_counter() - t0, tag=self._tag))
+            seconds=time.perf_counter() - t0, tag=self._tag,
+            cross_rack_bytes=ring_cross_node_bytes("allreduce", sizes, tier_group.rank, tier_group.racks)))
 
     def _average_buffers(self) -> None:
         average_buffers(self._model, self._world, tag=self._tag)

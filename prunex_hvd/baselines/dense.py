@@ -61,7 +61,9 @@ def _account_horovod(opt, model, world) -> None:
         cross = ring_cross_node_bytes("allreduce", sizes, world.rank, world.nodes)
         world.ledger.add(CommRecord(op="allreduce", tier="world", backend="horovod", payload_bytes=payload,
                                     wire_bytes=wire, cross_node_bytes=cross, seconds=time.perf_counter() - t0,
-                                    tag="gradients"))
+                                    tag="gradients",
+                                    cross_rack_bytes=ring_cross_node_bytes("allreduce", sizes, world.rank,
+                                                                           world.racks)))
         self._traffic.inter += cross
         self._traffic.intra += wire - cross
         self._dense_inter += cross   # dense is its own counterfactual

@@ -203,6 +203,9 @@ class HSADMM:
         derivation per tier): refused on every rank alike (topology and knobs agree)."""
         if not self.rack_tier:
             return
+        if (self.topo.is_leader and self.groups.rack is None) or (self.topo.is_rack_leader and self.groups.spine is None):
+            raise RuntimeError(f"the {self.groups.backend} backend made no rack or spine group for rank "
+                               f"{self.topo.rank}, a {'rack' if self.topo.is_rack_leader else 'node'} leader")
         c = self.config
         unsupported = [what for what, on in (("overlap=True", c.overlap),
                                               (f"relaxation={c.relaxation!r}", c.relaxation != 1.0)) if on]

@@ -11,7 +11,7 @@ class AutoCommunicator(Communicator):
     backend = "auto"
 
     def __init__(self, cpu: Communicator, cuda: Communicator | None):
-        super().__init__(cpu.tier, cpu.ranks, cpu.nodes, cpu.rank, cpu.ledger)
+        super().__init__(cpu.tier, cpu.ranks, cpu.nodes, cpu.rank, cpu.ledger, racks=cpu.racks)
         self.cpu, self.cuda = cpu, cuda
 
     def _pick(self, tensor) -> Communicator:
@@ -48,4 +48,5 @@ def combine(cpu: Groups, cuda: Groups | None) -> Groups:
     def pair(a, b):
         return None if a is None else AutoCommunicator(a, b)
     return Groups(world=pair(cpu.world, cuda and cuda.world), intra=pair(cpu.intra, cuda and cuda.intra),
-                  inter=pair(cpu.inter, cuda and cuda.inter), backend="auto")
+                  inter=pair(cpu.inter, cuda and cuda.inter), backend="auto",
+                  rack=pair(cpu.rack, cuda and cuda.rack), spine=pair(cpu.spine, cuda and cuda.spine))
