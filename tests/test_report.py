@@ -240,3 +240,22 @@ def test_targets_on_the_command_line(seeded, tmp_path, capsys):
         assert "--targets" in capsys.readouterr().err
     with pytest.raises(ValueError, match="targets must be accuracies"):
         report.make_report([str(seeded[0])], out_dir=str(tmp_path / "x"), targets=[1.5])
+
+
+def test_racks_add_the_spine_residual_column(tmp_path):
+    """Three tiers report r_spine: the residuals figure gains a third column (two without racks)."""
+    import matplotlib.image
+    widths = {}
+    for racks in (False, True):
+        root = tmp_path / str(racks)
+        root.mkdir()
+        d = _admm_run(root)
+        if racks:
+            recs = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+            for rec in recs:
+                for res in (rec.get("residuals") or {}).values():
+                    res.update(r_spine=0.05, s_spine=0.01)
+            _write_jsonl(d / "metrics.jsonl", recs)
+        path = report._fig_residuals([report.load_run(d)], tmp_path / f"residuals-{racks}.png")
+        widths[racks] = matplotlib.image.imread(path).shape[1]
+    assert 1.4 < widths[True] / widths[False] < 1.6

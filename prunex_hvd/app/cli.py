@@ -78,7 +78,8 @@ def _train(args) -> int:
     print(f"final test accuracy {100 * summary['final_test_acc']:.2f}% (the finalized model)   "
           f"density {summary['density']:.3f}   wall {summary['wall_s']:.1f} s\n"
           f"inter-node traffic {summary['inter_bytes'] / 2**20:.2f} MB; the same rounds exchanged dense: "
-          f"{summary['dense_inter_bytes'] / 2**20:.2f} MB ({ratio:.3f}x)")
+          f"{summary['dense_inter_bytes'] / 2**20:.2f} MB ({ratio:.3f}x)"
+          + (f"; across racks {summary['cross_rack_bytes'] / 2**20:.2f} MB" if summary.get("num_racks") else ""))
     print(f"results in {cfg.out}: metrics.jsonl, summary.json, final_model.pt; plots: prunex-hvd report {cfg.out}")
     return 0
 

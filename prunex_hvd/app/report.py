@@ -12,7 +12,7 @@ Written to ``DIR`` (default ``<parent of the first run>/report``), each only whe
 * ``epochs_to_target.png``         first epoch reaching each ``--targets`` accuracy (only with ``--targets``)
 * ``accuracy_vs_time.png``         test accuracy vs cumulative training wall time
 * ``accuracy_vs_inter_bytes.png``  test accuracy vs cumulative inter-node MB (and a dense exchange's MB)
-* ``residuals.png``                per-layer primal residuals r_intra / r_inter over rounds
+* ``residuals.png``                per-layer primal residuals r_intra / r_inter (and r_spine with racks) over rounds
 * ``density_per_layer.png``        final density of each conv layer
 * ``masks_<run>.png``              |W| of some pruned conv layers in the GEMM view, pruned entries white
 * ``communication.png``            final inter-node MB vs the dense-equivalent MB
@@ -39,7 +39,8 @@ from typing import Optional
 
 MB = 2**20   # the unit the trainer prints, so the table and the training log agree
 DPI = 120
-RESIDUALS = (("r_intra", "intra-node primal residual"), ("r_inter", "inter-node primal residual"))
+RESIDUALS = (("r_intra", "intra-node primal residual"), ("r_inter", "inter-node primal residual"),
+             ("r_spine", "between-rack primal residual"))   # the last only with racks (three tiers)
 _LEGEND_MAX_LAYERS = 8
 _CONFIG_KEYS = ("method", "model", "dataset", "sparsity")   # what config.json may supply for a torn run
 
@@ -467,8 +468,11 @@ def _fig_residuals(runs, path):
     have = [r for r in runs if any(isinstance(m.get("residuals"), dict) and m["residuals"] for m in r["metrics"])]
     if not have:
         return None
-    fig, axes = plt.subplots(len(have), 2, figsize=(12, 3.3 * len(have) + 0.4), squeeze=False,
-                             layout="constrained")
+    racks = any("r_spine" in (res or {}) for r in have for m in r["metrics"]
+                for res in (m.get("residuals") or {}).values() if isinstance(res, dict))
+    columns = RESIDUALS if racks else RESIDUALS[:2]
+    fig, axes = plt.subplots(len(have), len(columns), figsize=(6 * len(columns), 3.3 * len(have) + 0.4),
+                             squeeze=False, layout="constrained")
     cmap = plt.get_cmap("viridis")
     for row, r in zip(axes, have):
         recs = [m for m in r["metrics"] if isinstance(m.get("residuals"), dict)]
@@ -477,7 +481,7 @@ def _fig_residuals(runs, path):
         if convs & set(layers):   # the engine also reports BN and FC tensors; the figure is about the conv layers
             layers = [n for n in layers if n in convs]
         shade = [cmap(i / max(len(layers) - 1, 1)) for i in range(len(layers))]
-        for ax, (key, what) in zip(row, RESIDUALS):
+        for ax, (key, what) in zip(row, columns):
             drawn = False
             seen = False
             for li, layer in enumerate(layers):

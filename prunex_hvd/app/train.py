@@ -247,7 +247,7 @@ class _MetricsLog:
                 f.write(json.dumps(record) + "\n")
 
 
-_BYTE_KEYS = ("inter_bytes", "intra_bytes", "dense_inter_bytes")
+_BYTE_KEYS = ("inter_bytes", "intra_bytes", "dense_inter_bytes", "cross_rack_bytes")
 
 
 def _job_totals(control, stats: Dict[str, Any]) -> Dict[str, int]:
@@ -406,6 +406,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     summary = {"name": os.path.basename(os.path.normpath(cfg.out)), "method": cfg.method, "model": cfg.model,
                "dataset": cfg.dataset, "sparsity": str(cfg.consensus.sparsity), "world_size": topo.size,
                "num_nodes": topo.num_nodes, "ranks_per_node": topo.local_size, "launcher": topo.launcher,
+               "num_racks": topo.num_racks if topo.rack_nodes else None,
                "backend": runtime.default_backend(), "epochs": cfg.epochs, "rounds": stats["rounds"],
                "steps": step, "local_steps": local_steps, "final_test_acc": final["test_acc"],
                "final_test_loss": final["test_loss"], "density": stats.get("density", 1.0),

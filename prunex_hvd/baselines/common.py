@@ -19,11 +19,12 @@ from ..optimizer import check_wrapping, mix_into  # noqa: F401  (the baselines' 
 
 class Traffic:
     """Bytes one method moved, measured from the ledger around its own collectives (ring model):
-    ``inter`` crossed node boundaries, ``intra`` stayed inside a node."""
+    ``inter`` crossed node boundaries, ``intra`` stayed inside a node, ``cross_rack`` the part of ``inter`` that
+    crossed a rack boundary (all of it without racks)."""
 
     def __init__(self, ledger=None):
         self.ledger = ledger or default_ledger()
-        self.inter = self.intra = 0
+        self.inter = self.intra = self.cross_rack = 0
 
     @contextlib.contextmanager
     def measure(self, tag: str):
@@ -34,12 +35,14 @@ class Traffic:
         cross = after["cross_node_bytes"] - before["cross_node_bytes"]
         self.inter += cross
         self.intra += after["wire_bytes"] - before["wire_bytes"] - cross
+        self.cross_rack += after["cross_rack_bytes"] - before["cross_rack_bytes"]
 
     def state(self) -> Dict[str, int]:
-        return {"inter": self.inter, "intra": self.intra}
+        return {"inter": self.inter, "intra": self.intra, "cross_rack": self.cross_rack}
 
     def load(self, state: Dict[str, int]) -> None:
         self.inter, self.intra = int(state["inter"]), int(state["intra"])
+        self.cross_rack = int(state.get("cross_rack", self.inter))   # older checkpoints: every node a rack
 
 
 def dense_allreduce_cross_bytes(numel: int, itemsize: int, world) -> int:
@@ -152,6 +155,7 @@ class MethodOptimizer(torch.optim.Optimizer):
     def stats(self) -> Dict[str, Any]:
         return {"rounds": self._steps, "steps": self._steps, "inter_bytes": self._traffic.inter,
                 "intra_bytes": self._traffic.intra, "dense_inter_bytes": self._dense_inter,
+                "cross_rack_bytes": self._traffic.cross_rack,
                 "density": self.density(), "layer_density": self.layer_density(), **self._extra_stats()}
 
     def _method_state(self) -> Dict[str, Any]:

@@ -59,12 +59,12 @@ def _account_horovod(opt, model, world) -> None:
         sizes = [payload] * world.size
         wire = ring_sent_bytes("allreduce", sizes, world.rank)
         cross = ring_cross_node_bytes("allreduce", sizes, world.rank, world.nodes)
+        cross_rack = ring_cross_node_bytes("allreduce", sizes, world.rank, world.racks)
         world.ledger.add(CommRecord(op="allreduce", tier="world", backend="horovod", payload_bytes=payload,
                                     wire_bytes=wire, cross_node_bytes=cross, seconds=time.perf_counter() - t0,
-                                    tag="gradients",
-                                    cross_rack_bytes=ring_cross_node_bytes("allreduce", sizes, world.rank,
-                                                                           world.racks)))
+                                    tag="gradients", cross_rack_bytes=cross_rack))
         self._traffic.inter += cross
+        self._traffic.cross_rack += cross_rack
         self._traffic.intra += wire - cross
         self._dense_inter += cross   # dense is its own counterfactual
         self._steps += 1
