@@ -7,6 +7,8 @@ Every rank of node i holds the same z_i, v_i and z; leaders (local rank 0) alone
  3. z_i = Π_S(z̃_i); leaders OR the row/col masks                (z_i = z̃_i ⊙ m once masks are frozen)
  4. leaders shrink z_i + v_i to the global support, average the compact buckets across nodes, and
     broadcast them to their node                                  (Groups.leaders_then_node_)
+    with racks (three tiers): sum them over the rack, form the rack's w_r, average w_r + t_r across the
+    spine, back down the rack and the node                         (_rack_exchange)
  5. every rank recovers z from the compact buckets (one pass per layer)
  6. verdict: the residuals' job-wide sum carries every rank's round, step count and inf/NaN flags; a round
     that cannot be trusted is refused on every rank before any state changes
@@ -30,7 +32,8 @@ steps as one data-parallel worker.
 
 Residuals count both tiers as consensus ADMM does (:mod:`prunex_hvd.engine.admm`):
 s_intra = ρ1√(P·Σ_i‖Δz_i‖²), s_inter = ρ2√M‖Δz‖. With one node (or ``hierarchical=False``) there is no inter-node tier: z = z_i, r_inter is
-0 by construction, so ρ2 is not adapted and no inter residuals are reported.
+0 by construction, so ρ2 is not adapted and no inter residuals are reported. With racks, r_inter/s_inter are
+the nodes' against their rack's w_r and r_spine/s_spine the racks' against z (ρ3; docs/algorithm.md).
 
 Precision: the consensus state and its arithmetic are float32 for float16/bfloat16 models
 (:func:`prunex_hvd.engine.admm.state_dtype`); what travels (θ + u, the compact z) is in the model's dtype.
@@ -199,8 +202,9 @@ class HSADMM:
 
     # -- set-up -----------------------------------------------------------------------------------------
     def _check_rack_tier(self) -> None:
-        """The three-tier round does not have the overlapped exchange or over-relaxation (each would need its own
-        derivation per tier): refused on every rank alike (topology and knobs agree)."""
+        """The three-tier round needs the backend's rack and spine groups, and does not have the overlapped
+        exchange or over-relaxation (each would need its own derivation per tier): those are refused on every
+        rank alike (topology and knobs agree)."""
         if not self.rack_tier:
             return
         if (self.topo.is_leader and self.groups.rack is None) or (self.topo.is_rack_leader and self.groups.spine is None):
