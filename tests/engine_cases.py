@@ -2,6 +2,7 @@
 (workers/engine_worker.py, run by test_engine_launch.py) or threads of one process (test_engine_threads.py):
 the models and training settings, per-rank snapshots, the round-by-round comparison with
 :func:`reference.reference_round`, and the checks of every rank's result (bytes, final structure)."""
+import copy
 import json
 import math
 
@@ -119,6 +120,34 @@ def amp_local_steps(model, opt, scaler, x, y, steps, first_step, inf_steps, patt
         amp_step(model, opt, scaler, x, y, float("inf") if j in inf_steps else None, pattern)
         moved.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters())))
     return moved
+
+
+def run_with_snapshot(eng, model, opt, rank, total, take_at=None, saved=None):
+    """One rank's run to step ``total``, a round every ``LOCAL_STEPS`` steps, then finalize(): resumed from
+    ``saved`` (this rank's snapshot at step ``take_at``) if given, else from the start, taking a snapshot (model,
+    optimizer, ``eng.state_dict()``) at step ``take_at`` if given. Returns (the final model state, the engine's
+    bytes, the snapshot)."""
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        eng.load_state_dict(saved["engine"])
+    x, y = rank_batch(rank)
+    snap = None
+
+    def step():   # what the wrapped optimizer's step() does
+        eng.sync_node_grads()
+        eng.add_proximal_grad()
+        opt.step()
+        eng.after_step()
+    for t in range(take_at if saved is not None else 0, total):
+        if saved is None and t == take_at:
+            snap = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+                    "engine": eng.state_dict()}
+        local_steps(model, step, x, y, 1)
+        if (t + 1) % LOCAL_STEPS == 0:
+            eng.consensus_round(steps=t + 1)
+    eng.finalize()
+    return model_state(model), dict(eng.bytes), snap
 
 
 def model_state(model):

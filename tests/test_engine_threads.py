@@ -6,7 +6,6 @@ Every rank builds its engine on its own (rank 0's parameters are broadcast), tra
 snapshots its state before and after each round; the main thread then compares every rank's u, z_i, v, z, ρ,
 masks and BN buffers with ``reference.reference_round``, checks the model is the same everywhere after
 construction and after finalize(), and checks each rank's own ledger (tests/engine_cases.py)."""
-import copy
 import json
 
 import pytest
@@ -377,30 +376,12 @@ def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round, at_step,
         def rank_run(rank):
             model = models[rank.topo.rank]
             eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
-            opt = cases.sgd(model)
-            if saved is not None:
-                state = saved[rank.topo.rank]
-                model.load_state_dict(state["model"])
-                opt.load_state_dict(state["opt"])
-                eng.load_state_dict(state["engine"])
-            x, y = cases.rank_batch(rank.topo.rank)
-            snap = None
-
-            def step():
-                eng.sync_node_grads()
-                eng.add_proximal_grad()
-                opt.step()
-                eng.after_step()
-            for t in range(take_at if saved is not None else 0, total):
-                if take and t == take_at:
-                    snap = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
-                            "engine": eng.state_dict()}
-                    assert snap["engine"]["in_flight"]["steps_since"] == at_step
-                cases.local_steps(model, step, x, y, 1)
-                if (t + 1) % cases.LOCAL_STEPS == 0:
-                    eng.consensus_round(steps=t + 1)
-            eng.finalize()
-            return cases.model_state(model), dict(eng.bytes), snap
+            final, bytes_, snap = cases.run_with_snapshot(eng, model, cases.sgd(model), rank.topo.rank, total,
+                                                          take_at if take or saved else None,
+                                                          None if saved is None else saved[rank.topo.rank])
+            if snap is not None:
+                assert snap["engine"]["in_flight"]["steps_since"] == at_step
+            return final, bytes_, snap
         return run_ranks(2, 2, rank_run)
     plain = job()
     took = job(take=True)

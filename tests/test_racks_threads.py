@@ -2,8 +2,6 @@
 several shapes, round by round against the single-process reference (``reference.reference_round(racks=...)``),
 with every tier's bytes checked exactly (``engine_cases.check_rack_ledger``); the two-tier special cases bit for
 bit; the refusals; resume."""
-import copy
-
 import pytest
 import torch
 
@@ -122,28 +120,8 @@ def test_three_tier_state_dict_resumes_bit_for_bit_and_fits_only_three_tiers():
         def rank_run(rank):
             model = models[rank.topo.rank]
             eng = HSADMM(model, rank.topo, rank.groups, conf, structure, ledger=rank.ledger)
-            opt = cases.sgd(model)
-            if saved is not None:
-                model.load_state_dict(saved[rank.topo.rank]["model"])
-                opt.load_state_dict(saved[rank.topo.rank]["opt"])
-                eng.load_state_dict(saved[rank.topo.rank]["engine"])
-            x, y = cases.rank_batch(rank.topo.rank)
-            snap = None
-
-            def step():
-                eng.sync_node_grads()
-                eng.add_proximal_grad()
-                opt.step()
-                eng.after_step()
-            for t in range(take_at if saved is not None else 0, total):
-                if saved is None and t == take_at:
-                    snap = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
-                            "engine": eng.state_dict()}
-                cases.local_steps(model, step, x, y, 1)
-                if (t + 1) % cases.LOCAL_STEPS == 0:
-                    eng.consensus_round(steps=t + 1)
-            eng.finalize()
-            return cases.model_state(model), dict(eng.bytes), snap
+            return cases.run_with_snapshot(eng, model, cases.sgd(model), rank.topo.rank, total, take_at,
+                                           None if saved is None else saved[rank.topo.rank])
         return run_ranks(4, 2, rank_run, cluster=thread_cluster(4, 2, nodes_per_rack=per_rack))
     whole = job()
     resumed = job(saved=[r[2] for r in whole])
