@@ -90,21 +90,26 @@ def test_rounds_match_the_reference(layout, case, levers):
                                             **LEVERS.get(levers, {}))
     assert {n: str(s) for n, s in specs.items()} == want_specs
 
-    cases.assert_same_everywhere([run["start"] for run in runs], "after construction")
-    node_ranks, eng = cluster[0].topo.node_ranks, runs[0]["engine"]
-    ref_rounds = [cases.check_round(rnd, [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs],
-                                    node_ranks, eng) for rnd in range(cases.ROUNDS)]
-    cases.assert_same_everywhere([run["final"] for run in runs], "after finalize")
-
-    results = [run["result"] for run in runs]
-    results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
-    cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
-                        payload_bytes=eng.payload_dtype.itemsize)
+    check_against_the_reference(cluster, runs, want_specs, want_pairs, want_streams)
     for rank in cluster:   # every record as the ring model puts it: only the leaders' ring crosses nodes
         for rec in rank.ledger.records:
             crossing = rec.tier == "inter" and num_nodes > 1
             want = cases.ring_allreduce_bytes(rec.payload_bytes, num_nodes) if crossing else 0
             assert rec.cross_node_bytes == want, (rank.topo.rank, rec)
+
+
+def check_against_the_reference(cluster, runs, want_specs, want_pairs, want_streams):
+    """:func:`train_on_threads`' runs: the same model everywhere after construction and after finalize(), every
+    round of every rank against the reference, every rank's bytes and final structure (engine_cases)."""
+    cases.assert_same_everywhere([run["start"] for run in runs], "after construction")
+    node_ranks, eng = cluster[0].topo.node_ranks, runs[0]["engine"]
+    ref_rounds = [cases.check_round(rnd, [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs],
+                                    node_ranks, eng) for rnd in range(cases.ROUNDS)]
+    cases.assert_same_everywhere([run["final"] for run in runs], "after finalize")
+    results = [run["result"] for run in runs]
+    results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
+    cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
+                        payload_bytes=eng.payload_dtype.itemsize)
 
 
 def train_overlapped_on_threads(num_nodes, local_size, kind, sparsity, coupled, **knobs):

@@ -9,7 +9,7 @@ import engine_cases as cases
 from prunex_hvd.engine.config import ConsensusConfig, Structure
 from prunex_hvd.engine.hsadmm import HSADMM
 from prunex_hvd.engine.sparsity import native
-from test_engine_threads import CASES, train_on_threads
+from test_engine_threads import CASES, check_against_the_reference, train_on_threads
 from threaded import RankFailed, run_ranks
 
 # (nodes, ranks per node, nodes per rack), case, knobs
@@ -35,15 +35,7 @@ def test_three_tier_rounds_match_the_reference(shape, case, knobs):
                                             **knobs)
     eng = runs[0]["engine"]
     assert eng.rack_tier and eng.topo.num_racks == num_nodes // per_rack
-    cases.assert_same_everywhere([run["start"] for run in runs], "after construction")
-    node_ranks = cluster[0].topo.node_ranks
-    ref_rounds = [cases.check_round(rnd, [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs],
-                                    node_ranks, eng) for rnd in range(cases.ROUNDS)]
-    cases.assert_same_everywhere([run["final"] for run in runs], "after finalize")
-    results = [run["result"] for run in runs]
-    results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
-    cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
-                        payload_bytes=eng.payload_dtype.itemsize)
+    check_against_the_reference(cluster, runs, want_specs, want_pairs, want_streams)
     residuals = runs[0]["engine"].entries[0].residuals
     assert set(residuals) == {"r_intra", "s_intra", "r_inter", "s_inter", "r_spine", "s_spine"}
 
