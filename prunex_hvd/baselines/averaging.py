@@ -40,7 +40,7 @@ from torch.distributed.algorithms.model_averaging.hierarchical_model_averager im
 
 from ..dist import agreement, runtime, watchdog
 from ..dist.comm import groups as comm_groups
-from ..dist.comm.accounting import CommRecord, ring_cross_node_bytes, ring_sent_bytes
+from ..dist.comm.accounting import record_ring
 from .common import MethodOptimizer, average_buffers, broadcast_model, check_wrapping, mix_into
 
 
@@ -109,13 +109,7 @@ class _RoundAveraging(MethodOptimizer):
 
     def _record(self, params, tier_group, t0: float) -> None:
         payload = sum(p.numel() * p.element_size() for p in params)
-        sizes = [payload] * tier_group.size
-        tier_group.ledger.add(CommRecord(
-            op="allreduce", tier=tier_group.tier, backend=tier_group.backend, payload_bytes=payload,
-            wire_bytes=ring_sent_bytes("allreduce", sizes, tier_group.rank),
-            cross_node_bytes=ring_cross_node_bytes("allreduce", sizes, tier_group.rank, tier_group.nodes),
-            seconds=time.perf_counter() - t0, tag=self._tag,
-            cross_rack_bytes=ring_cross_node_bytes("allreduce", sizes, tier_group.rank, tier_group.racks)))
+        record_ring(tier_group, "allreduce", [payload] * tier_group.size, time.perf_counter() - t0, self._tag)
 
     def _average_buffers(self) -> None:
         average_buffers(self._model, self._world, tag=self._tag)

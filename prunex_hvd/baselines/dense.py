@@ -19,7 +19,7 @@ import torch
 
 from ..dist import agreement, runtime, watchdog
 from ..dist.comm import groups as comm_groups
-from ..dist.comm.accounting import CommRecord, ring_cross_node_bytes, ring_sent_bytes
+from ..dist.comm.accounting import record_ring
 from .common import MethodOptimizer, Traffic, broadcast_model, check_wrapping, flat_layout, mix_into
 
 
@@ -56,17 +56,12 @@ def _account_horovod(opt, model, world) -> None:
         with watchdog.waiting("Horovod's gradient allreduce", world=True, transport=True):
             synchronize()
         payload = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-        sizes = [payload] * world.size
-        wire = ring_sent_bytes("allreduce", sizes, world.rank)
-        cross = ring_cross_node_bytes("allreduce", sizes, world.rank, world.nodes)
-        cross_rack = ring_cross_node_bytes("allreduce", sizes, world.rank, world.racks)
-        world.ledger.add(CommRecord(op="allreduce", tier="world", backend="horovod", payload_bytes=payload,
-                                    wire_bytes=wire, cross_node_bytes=cross, seconds=time.perf_counter() - t0,
-                                    tag="gradients", cross_rack_bytes=cross_rack))
-        self._traffic.inter += cross
-        self._traffic.cross_rack += cross_rack
-        self._traffic.intra += wire - cross
-        self._dense_inter += cross   # dense is its own counterfactual
+        rec = record_ring(world, "allreduce", [payload] * world.size, time.perf_counter() - t0, "gradients",
+                          backend="horovod")   # Horovod moved the bytes, over the world
+        self._traffic.inter += rec.cross_node_bytes
+        self._traffic.cross_rack += rec.cross_rack_bytes
+        self._traffic.intra += rec.wire_bytes - rec.cross_node_bytes
+        self._dense_inter += rec.cross_node_bytes   # dense is its own counterfactual
         self._steps += 1
 
     def state_dict(self):

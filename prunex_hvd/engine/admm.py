@@ -129,6 +129,7 @@ def dual_residual_sq(change_sq: torch.Tensor, rho: float, copies: int) -> torch.
     return change_sq * (rho * rho * copies)
 
 
-def residual_norms(r_intra_sq: float, s_intra_sq: float, r_inter_sq: float, s_inter_sq: float
-                   ) -> Tuple[float, float, float, float]:
-    return tuple(math.sqrt(max(x, 0.0)) for x in (r_intra_sq, s_intra_sq, r_inter_sq, s_inter_sq))
+def residual_norms(*squares: float) -> Tuple[float, ...]:
+    """The residuals from their squares (r_intra², s_intra², r_inter², s_inter²[, r_spine², s_spine²]), a sum's
+    rounding below zero read as 0."""
+    return tuple(math.sqrt(max(x, 0.0)) for x in squares)

@@ -697,11 +697,9 @@ class HSADMM:
         changed = []
         c = self.config
         for k, e in enumerate(self.entries):
-            if self.rack_tier:   # ρ2's tier is nodes against their rack; ρ3's racks against z
-                r_intra, s_intra, r_inter, s_inter = admm.residual_norms(*totals[k, :4].tolist())
-                r_spine, s_spine = admm.residual_norms(float(totals[k, 4]), s_top_sq[k], 0.0, 0.0)[:2]
-            else:
-                r_intra, s_intra, r_inter, s_inter = admm.residual_norms(*totals[k].tolist(), s_top_sq[k])
+            # with racks ρ2's tier is nodes against their rack, then ρ3's racks against z (r_spine, s_spine)
+            r_intra, s_intra, r_inter, s_inter, *spine = admm.residual_norms(*totals[k].tolist(), s_top_sq[k])
+            r_spine, s_spine = spine or (0.0, 0.0)
             e.residuals = {"r_intra": r_intra, "s_intra": s_intra}
             if self.inter_tier:
                 e.residuals.update(r_inter=r_inter, s_inter=s_inter)
@@ -887,23 +885,23 @@ class HSADMM:
 
     def _count_traffic(self, before: dict) -> tuple:
         """The bytes put on the wire since ``before`` (a ledger summary), added to ``self.bytes``: what crossed
-        node boundaries (``inter``) and the rest (``intra``). Returns (inter, intra)."""
+        node boundaries (``inter``), the rest (``intra``), and the part of ``inter`` that crossed racks
+        (``cross_rack``). Returns (inter, intra, cross_rack)."""
         after, before = self.ledger.summary()["total"], before["total"]
         cross = after["cross_node_bytes"] - before["cross_node_bytes"]
         intra = after["wire_bytes"] - before["wire_bytes"] - cross
+        cross_rack = after["cross_rack_bytes"] - before["cross_rack_bytes"]
         self.bytes["inter"] += cross
         self.bytes["intra"] += intra
-        self.bytes["cross_rack"] += after["cross_rack_bytes"] - before["cross_rack_bytes"]
-        return cross, intra
+        self.bytes["cross_rack"] += cross_rack
+        return cross, intra, cross_rack
 
     def _report(self, before, seconds, compact_numel: int, wait: float) -> dict:
         """Bytes of the round as the ring model puts them on the wire: ``inter`` = what crossed node
         boundaries, ``intra`` = the rest. The consensus exchange and its dense counterfactual are counted
         on the group that carries it (the leaders; the one group of a flat consensus), so their ratio is
         exact."""
-        rack_before = self.bytes["cross_rack"]
-        cross, intra = self._count_traffic(before)
-        cross_rack = self.bytes["cross_rack"] - rack_before
+        cross, intra, cross_rack = self._count_traffic(before)
         if self.topo.num_nodes > 1:
             carrier = self.groups.inter       # None on non-leaders: they send nothing across
         else:                                 # flat: every rank's dense θ+u sum is the exchange

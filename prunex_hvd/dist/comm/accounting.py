@@ -71,6 +71,22 @@ def ring_cross_node_bytes(op: str, nbytes: Sequence[int], index: int, nodes: Seq
     return ring_sent_bytes(op, nbytes, index, root)
 
 
+def record_ring(group, op: str, sizes: Sequence[int], seconds: float, tag: str, root: int = 0,
+                backend: Optional[str] = None, model_op: Optional[str] = None) -> CommRecord:
+    """Add to ``group.ledger`` the record of ``op`` by ``group`` (a communicator: its tier, backend, rank, nodes
+    and racks), member k sending ``sizes[k]`` bytes, as the ring model of ``model_op`` (default ``op``) puts it on
+    the wire; ``backend`` overrides the group's (the transport that moved the bytes). Returns the record."""
+    model_op = model_op or op
+    rec = CommRecord(
+        op=op, tier=group.tier, backend=backend or group.backend, payload_bytes=sizes[group.rank],
+        wire_bytes=ring_sent_bytes(model_op, sizes, group.rank, root),
+        cross_node_bytes=ring_cross_node_bytes(model_op, sizes, group.rank, group.nodes, root),
+        seconds=seconds, tag=tag,
+        cross_rack_bytes=ring_cross_node_bytes(model_op, sizes, group.rank, group.racks, root))
+    group.ledger.add(rec)
+    return rec
+
+
 class CommLedger:
     """Per-process totals by tier and op. Thread-safe; cheap enough to stay on in production.
 

@@ -16,7 +16,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .. import watchdog
-from .accounting import CommLedger, CommRecord, ledger as default_ledger, ring_cross_node_bytes, ring_sent_bytes
+from .accounting import CommLedger, ledger as default_ledger, record_ring
 
 REDUCE_OPS = ("sum", "avg", "max")
 
@@ -260,14 +260,8 @@ class _Accounted:
                 wd.stop_if_rank_died()   # a peer's death shows here as an opaque transport error
         if exc_type is not None:
             return False
-        c = self.comm
-        model_op = "allgather" if self.op == "allgather_sizes" else self.op
-        c.ledger.add(CommRecord(
-            op=self.op, tier=c.tier, backend=c.backend, payload_bytes=self.sizes[c.rank],
-            wire_bytes=ring_sent_bytes(model_op, self.sizes, c.rank, self.root),
-            cross_node_bytes=ring_cross_node_bytes(model_op, self.sizes, c.rank, c.nodes, self.root),
-            seconds=time.perf_counter() - self.t0, tag=c.ledger.current_tag,
-            cross_rack_bytes=ring_cross_node_bytes(model_op, self.sizes, c.rank, c.racks, self.root)))
+        record_ring(self.comm, self.op, self.sizes, time.perf_counter() - self.t0, self.comm.ledger.current_tag,
+                    self.root, model_op="allgather" if self.op == "allgather_sizes" else None)
         return False
 
 
