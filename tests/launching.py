@@ -15,6 +15,8 @@ BIN = Path(sys.executable).parent
 WORKERS = Path(__file__).parent / "workers"
 ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
             "OMPI_MCA_rmaps_base_oversubscribe": "1", "PYTHONUNBUFFERED": "1",
+            # a rank that aborts (SIGABRT, SIGSEGV) prints every thread's Python stack: which one, and where
+            "PYTHONFAULTHANDLER": "1",
             # Open MPI on one small host: no InfiniBand probing, shared memory + loopback TCP
             "OMPI_MCA_btl": "self,vader,tcp", "OMPI_MCA_btl_tcp_if_include": "lo",
             "OMPI_MCA_oob_tcp_if_include": "lo",

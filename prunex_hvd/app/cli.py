@@ -357,11 +357,14 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     _show_the_library_log()
     try:
-        return args.func(args)
+        code = args.func(args)
     except (ValueError, RuntimeError, FloatingPointError) as exc:   # the same message on every rank
         print(f"prunex-hvd: error: {exc}", file=sys.stderr, flush=True)
         _let_the_others_say_it()
         return 2
+    from prunex_hvd.dist import runtime
+    runtime.finish()   # every rank leaves together, its groups taken down before the interpreter goes
+    return code
 
 
 def _show_the_library_log() -> None:

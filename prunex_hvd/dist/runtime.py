@@ -60,6 +60,18 @@ def init(backend: str = "auto", ranks_per_node: Optional[int] = None, timeout: O
     return topo
 
 
+def finish() -> None:
+    """Collective, for a clean end of a job: every rank waits for the others to finish their work, then the
+    watchdog and torch.distributed's groups go down while the interpreter is whole and no peer is still
+    talking. Left to ``atexit``, a rank that finishes first tears Gloo down while the others are busy, and a
+    finished torchrun rank once aborted in that teardown. A no-op when not initialised."""
+    if _control is None:
+        return
+    _control.allgather_object(None)   # the barrier: nobody is mid-collective past here
+    shutdown()
+    _close_torch_distributed()
+
+
 def _close_torch_distributed() -> None:
     """At exit, take torch.distributed's process groups down before the interpreter does: left to static
     destruction, Gloo's threads can abort a finished process ("terminate called without an active exception",
