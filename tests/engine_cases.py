@@ -48,12 +48,44 @@ class Residual(nn.Module):
         return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(t, 1), 1))
 
 
+# beyond convs: a ViT block (separate q/k/v) and nn.MultiheadAttention (packed), each with an MLP
+VIT_HEADS = {f"blocks.0.attn.{n}.weight": "head:0.5" for n in ("q", "k", "v", "proj")}
+VIT = dict(VIT_HEADS, **{"blocks.0.mlp.fc1.weight": "neuron:0.5"})
+VIT_COUPLED = dict(VIT, **{"blocks.0.mlp.fc2.weight": "feature:0.5"})
+VIT_PAIR = {"blocks.0.mlp.fc2.weight": "blocks.0.mlp.fc1.weight"}
+MHA_COUPLED = {"attn.in_proj_weight": "head:0.5", "attn.out_proj.weight": "head:0.5", "fc1.weight": "neuron:0.5",
+               "fc2.weight": "feature:0.5"}
+MHA_PAIR = {"fc2.weight": "fc1.weight"}
+
+
+class MhaNet(nn.Module):
+    """Patches → nn.MultiheadAttention (packed in_proj_weight) → an MLP, each residual → mean → a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(3, 8, 2, stride=2)
+        self.attn = nn.MultiheadAttention(8, 4, batch_first=True)
+        self.fc1, self.fc2 = nn.Linear(8, 12), nn.Linear(12, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = x + self.attn(x, x, x, need_weights=False)[0]
+        x = x + self.fc2(nn.functional.gelu(self.fc1(x)))
+        return self.head(x.mean(1))
+
+
 def make_model(kind="chain", rank=0):
     """The same model on every rank, except that ranks other than 0 are moved off it, each its own way:
     construction must broadcast rank 0's. Seeds torch's global RNG (threads: call it before they start)."""
     torch.manual_seed(1234)
     if kind == "residual":
         model = Residual()
+    elif kind == "vit":
+        from prunex_hvd.app.models.vit import VisionTransformer
+        model = VisionTransformer(num_classes=5, patch=2, dim=8, depth=1, num_heads=4, max_image_size=6)
+    elif kind == "mha":
+        model = MhaNet()
     else:
         model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                               nn.Conv2d(8, 12, 3, padding=1), nn.BatchNorm2d(12), nn.ReLU(),
@@ -205,7 +237,7 @@ def expected_round(rnd, before, after, node_ranks, eng):
                            relaxation=c.relaxation, rho_growth=c.rho_growth,
                            round_specs={n: ramped_spec(s, rnd + 1, c.keep_ramp_rounds) for n, s in specs.items()},
                            payload=eng.payload_dtype if eng.delta_coded else None,
-                           racks=[list(r) for r in eng.topo.racks] if eng.rack_tier else None)
+                           racks=[list(r) for r in eng.topo.racks] if eng.rack_tier else None, heads=eng.heads)
 
 
 def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buffers=True):
@@ -405,10 +437,12 @@ def rank_result(eng, model, topo, reports, stats, ledger_summary):
             "ledger": ledger_summary,
             "compact": {e.name: [int(e.rows.sum()), int(e.cols.sum())] for e in eng.structured},
             "couplings": eng.couplings, "streams": [list(map(list, s)) for s in eng.streams],
+            "heads": [[g.num_heads, [list(r) for r in g.rows], list(g.cols)] for g in eng.heads],
+            # the rows, input channels and columns still nonzero (a linear weight: rows and columns)
             "final_support": {n: [int((p.detach().reshape(p.shape[0], -1).abs().sum(1) != 0).sum()),
-                                  int((p.detach().abs().sum((0, 2, 3)) != 0).sum()),
+                                  int((p.detach().abs().sum((0, 2, 3)) != 0).sum()) if p.dim() == 4 else None,
                                   int((p.detach().reshape(p.shape[0], -1).abs().sum(0) != 0).sum())]
-                              for n, p in model.named_parameters() if p.dim() == 4},
+                              for n, p in model.named_parameters() if p.dim() in (2, 4)},
             # per stream, per member (readers, then writers): the channels it still reads / writes
             "stream_live": [[live_channels(model.get_parameter(n), dim) for dim, names in ((1, r), (0, w))
                              for n in names] for r, w in eng.streams],
@@ -480,7 +514,7 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
     assert [r["frozen_before"] for r in ref_rounds] == [False, False, False, True]  # freeze_round=3
     shapes, numels = results[0]["shapes"], results[0]["numels"]
     dense_numel = sum(n for name, n in numels.items() if name not in specs) + results[0]["buffer_numel"]
-    mask_bytes = sum(shapes[n][0] + shapes[n][1] * shapes[n][2] * shapes[n][3] for n in specs) * mask_itemsize
+    mask_bytes = sum(shapes[n][0] + math.prod(shapes[n][1:]) for n in specs) * mask_itemsize
     per_round = [payload_bytes * (dense_numel + sum(r * c for r, c in rr["compact"].values())) for rr in ref_rounds]
     unfrozen = sum(not rr["frozen_before"] for rr in ref_rounds)
     # per-layer residual sums (float64; 5 a layer with racks) + each rank's round, step count, inf/NaN flag +
@@ -512,6 +546,9 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
         assert res["ledger"]["world"]["ops"] == 0
         # after finalize(): exactly the requested structure
         for name, spec in specs.items():
+            if len(shapes[name]) == 2:
+                check_linear_support(res, name, spec, shapes[name], couplings or {})
+                continue
             c_out, c_in, kh, kw = shapes[name]
             rows, channels, cols = res["final_support"][name]
             parts = dict(p.split(":") for p in spec.split("+"))
@@ -534,3 +571,23 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
             assert len(live[0]) == keep(float(specs[s[0][0]].split(":")[1]), shapes[s[0][0]][1])
     # every rank reports the same final density
     assert len({json.dumps(r["stats"]["layer_density"], sort_keys=True) for r in results}) == 1
+
+
+def check_linear_support(res, name, spec, shape, couplings):
+    """A linear weight after finalize(): ``neuron:K`` keeps ceil(K·out) rows (a coupled producer: one per
+    feature its reader kept), ``feature:K`` ceil(K·in) columns, ``head:K`` ceil(K·H) heads' rows or columns."""
+    rows, _, cols = res["final_support"][name]
+    kind, k = spec.split(":")
+    want_rows, want_cols = shape
+    for heads, members, out_cols in res["heads"]:
+        kept = keep(float(k), heads)
+        if name in [m for m, _ in members]:
+            want_rows = shape[0] // heads * kept
+        elif name in out_cols:
+            want_cols = shape[1] // heads * kept
+    if kind == "neuron":
+        consumer = {p: c for c, p in couplings.items()}.get(name)
+        want_rows = res["final_support"][consumer][2] if consumer else keep(float(k), shape[0])
+    elif kind == "feature":
+        want_cols = keep(float(k), shape[1])
+    assert (rows, cols) == (want_rows, want_cols), (name, spec, rows, cols, want_rows, want_cols)

@@ -30,13 +30,45 @@ def _keep(spec):
 
 
 def _consumer_keep(spec):
-    """A coupled consumer's channel keep: its spec is a channel stage, then perhaps a shape stage."""
+    """A coupled consumer's channel keep: its spec is a channel stage, then perhaps a shape stage (a linear
+    consumer: a feature stage)."""
     parts = dict(part.split(":") for part in str(spec).split("+"))
-    assert set(parts) in ({"channel"}, {"channel", "shape"}), spec
-    return float(parts["channel"])
+    assert set(parts) in ({"channel"}, {"channel", "shape"}, {"feature"}), spec
+    return float(parts.get("channel", parts.get("feature")))
 
 
-def reference_masks(weights, specs, couplings, streams=()):
+def reference_heads(weights, group, keep):
+    """An attention module's head masks, written plainly: head h's score is the sum of squares of its rows
+    h·d … (h+1)·d − 1 in every q/k/v block and of the same columns of the output projection."""
+    h = group.num_heads
+    score = [0.0] * h
+    for name, blocks in group.rows:
+        w = weights[name].double()
+        d = w.shape[0] // (blocks * h)
+        for b in range(blocks):
+            for j in range(h):
+                score[j] += float(w[(b * h + j) * d:(b * h + j + 1) * d].pow(2).sum())
+    for name in group.cols:
+        w = weights[name].double()
+        d = w.shape[1] // h
+        for j in range(h):
+            score[j] += float(w[:, j * d:(j + 1) * d].pow(2).sum())
+    kept = _top(score, max(1, math.ceil(keep * h - 1e-9)))
+    out = {}
+    for name, blocks in group.rows:
+        w = weights[name]
+        d = w.shape[0] // (blocks * h)
+        out[name] = (torch.tensor([bool(kept[(r // d) % h]) for r in range(w.shape[0])]),
+                     torch.ones(w.shape[1], dtype=torch.bool))
+    for name in group.cols:
+        w = weights[name]
+        d = w.shape[1] // h
+        out[name] = (torch.ones(w.shape[0], dtype=torch.bool),
+                     torch.tensor([bool(kept[c // d]) for c in range(w.shape[1])]))
+    return out
+
+
+def reference_masks(weights, specs, couplings, streams=(), heads=()):
     """Projection supports, written plainly: per layer, except coupled groups (channel-only specs).
 
     A residual stream (readers, writers) first: input channel c of every reader and filter c of every writer
@@ -44,8 +76,12 @@ def reference_masks(weights, specs, couplings, streams=()):
     filter c of the producer, ranked by their summed squares, where a producer that reads a stream counts only
     its stream's kept input channels; a consumer's shape stage then runs on its kept channels, and the
     producer keeps the filters of the channels the consumer still reads at any kernel position. A layer's
-    other side is its own stages on the weight with the group's zeros in."""
-    out = {name: structured_masks(weights[name], spec) for name, spec in specs.items()}
+    other side is its own stages on the weight with the group's zeros in. A linear pair (an MLP) is the same
+    with one column per input feature; an attention module's heads are :func:`reference_heads`."""
+    in_heads = {n for g in heads for n in g.members}
+    out = {name: structured_masks(weights[name], spec) for name, spec in specs.items() if name not in in_heads}
+    for g in heads:
+        out.update(reference_heads(weights, g, float(str(specs[g.members[0]]).split(":")[1])))
     rows, chans = {}, {}   # fixed by a group: filters (writers, producers), input channels (readers, consumers)
     consumer_cols = {}
     for readers, writers in streams:
@@ -59,12 +95,14 @@ def reference_masks(weights, specs, couplings, streams=()):
         chans.update({n: ch for n in readers})
     assert not set(couplings) & set(couplings.values()), "chains of pairs are not written out here"
     for consumer, producer in couplings.items():
-        wc, wp = weights[consumer].double(), weights[producer].double()
+        # (out, in, kernel positions): a linear weight has one position
+        wc = weights[consumer].double().reshape(*weights[consumer].shape[:2], -1)
+        wp = weights[producer].double().reshape(*weights[producer].shape[:2], -1)
         if producer in chans:
-            wp = wp * chans[producer][None, :, None, None]
+            wp = wp * chans[producer][None, :, None]
         if consumer in rows:
-            wc = wc * rows[consumer][:, None, None, None]
-        score = wc.pow(2).sum((0, 2, 3)) + wp.pow(2).reshape(wp.shape[0], -1).sum(1)
+            wc = wc * rows[consumer][:, None, None]
+        score = wc.pow(2).sum((0, 2)) + wp.pow(2).reshape(wp.shape[0], -1).sum(1)
         chans[consumer] = _top(score, max(1, math.ceil(_consumer_keep(specs[consumer]) * wc.shape[1] - 1e-9)))
         consumer_cols[consumer] = structured_masks(weights[consumer], specs[consumer], rows=rows.get(consumer),
                                                    channels=chans[consumer])[1]
@@ -74,8 +112,8 @@ def reference_masks(weights, specs, couplings, streams=()):
         r = rows.get(name, torch.ones(w.shape[0], dtype=torch.bool))
         # a layer's own columns (every stage of its spec) where no group fixes its input channels
         cols = consumer_cols[name] if name in consumer_cols else \
-            chans[name].repeat_interleave(w.shape[2] * w.shape[3]) if name in chans else \
-            structured_masks(w * r[:, None, None, None], specs[name])[1]
+            chans[name].repeat_interleave(w[0, 0].numel()) if name in chans else \
+            structured_masks(w * r.view(-1, *[1] * (w.dim() - 1)), specs[name])[1]
         out[name] = (r, cols)
     return out
 
@@ -157,7 +195,7 @@ def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload
 
 def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, freezes=False,
                     couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0, round_specs=None,
-                    payload=None, racks=None):
+                    payload=None, racks=None, heads=()):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
     frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers, and θ
     per rank (where ``restart`` moves it). ``freezes``: the masks freeze at the end of this round, cut to the
@@ -193,8 +231,8 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             upper = d(states[ranks[0]]["w"][name]) if racks else z_old   # the consensus z_i answers to
             cands[name].append((rho1 * node_sum + rho2 * (upper - d(states[ranks[0]]["v"][name])))
                                / (weight_decay_z / M + P * rho1 + rho2))
-    projected = [reference_masks({n: cands[n][i].float() for n in specs}, round_specs or specs, couplings, streams)
-                 for i in range(M)]
+    projected = [reference_masks({n: cands[n][i].float() for n in specs}, round_specs or specs, couplings, streams,
+                                 heads) for i in range(M)]
     for name in states[0]["theta"]:
         rho1, rho2 = states[0]["rho1"][name], states[0]["rho2"][name]
         z_old = d(states[0]["z"][name])
@@ -266,7 +304,7 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             ((r_spine, s_spine) if racks else ())
     if freezes:
         for name, (rows, cols) in reference_masks({n: out["z"][n] for n in specs}, specs, couplings,
-                                                  streams).items():
+                                                  streams, heads).items():
             out["masks"][name] = (rows, cols)
             out["z"][name] = out["z"][name] * torch.outer(rows, cols).reshape(out["z"][name].shape)
             for w in out["w"]:   # with racks, w_r is cut to the frozen structure as z is

@@ -25,10 +25,15 @@ CASES = {"channel": ("chain", "channel:0.5", False, cases.CHANNEL, None, ()),
          "mixed": ("chain", cases.MIXED_SPARSITY, False, cases.MIXED, None, ()),
          "coupled": ("chain", "channel:0.5", True, cases.CHANNEL, cases.PAIR, ()),
          "coupled-shape": ("chain", cases.SHAPED_CONSUMER, True, cases.SHAPED_CONSUMER, cases.PAIR, ()),
-         "streams": ("residual", "channel:0.5", "streams", cases.RESIDUAL, cases.RESIDUAL_PAIR, cases.STREAM)}
+         "streams": ("residual", "channel:0.5", "streams", cases.RESIDUAL, cases.RESIDUAL_PAIR, cases.STREAM),
+         # beyond convs: heads (separate q/k/v; packed in_proj) and MLP hidden units, alone or coupled
+         "vit": ("vit", "head:0.5+neuron:0.5", False, cases.VIT, None, ()),
+         "vit-coupled": ("vit", "head:0.5+neuron:0.5", True, cases.VIT_COUPLED, cases.VIT_PAIR, ()),
+         "mha-coupled": ("mha", "head:0.5+neuron:0.5", True, cases.MHA_COUPLED, cases.MHA_PAIR, ())}
 RUNS = [(layout, "channel") for layout in LAYOUTS] + \
        [(layout, case) for case in ("mixed", "coupled", "streams") for layout in ((2, 2), (2, 3))] + \
-       [((2, 2), "coupled-shape")]
+       [((2, 2), "coupled-shape")] + [(layout, case) for case in ("vit", "vit-coupled", "mha-coupled")
+                                      for layout in ((2, 2), (2, 3))]
 # the accelerations (ConsensusConfig's restart, relaxation, rho_growth, keep_ramp_rounds), each against the
 # reference of the modified math; a ramp of 2 rounds projects round 1 to keep 0.5 + 0.5·(1/2)³
 LEVERS = {"paper-round": dict(restart="none"),   # the default restarts: this keeps θ where its steps left it

@@ -1,4 +1,4 @@
-"""Model registry and the hand-written CIFAR ResNets: shapes, parameter counts, aliases, errors."""
+"""Model registry, the hand-written CIFAR ResNets and the small ViT: shapes, parameter counts, aliases, errors."""
 import importlib
 import sys
 import types
@@ -18,7 +18,9 @@ PARAMS = {
     "resnet50": 23_520_842,
     "resnet152": 58_156_618,
     "wide_resnet50_2": 66_847_050,
+    "vit_tiny": 546_186,
 }
+RESNETS = tuple(n for n in models.NAMES if n.startswith(("resnet", "wide")))
 BIG = ("resnet152", "wide_resnet50_2")   # real init is ~1 s: build them once, count the rest on meta
 
 
@@ -39,11 +41,11 @@ def check_dtypes_and_convs(model):
 
 
 def test_names_and_param_table_agree():
-    assert models.NAMES == ("resnet_small", "resnet18", "resnet50", "resnet152", "wide_resnet50_2")
+    assert models.NAMES == ("resnet_small", "resnet18", "resnet50", "resnet152", "wide_resnet50_2", "vit_tiny")
     assert set(PARAMS) == set(models.NAMES)
 
 
-@pytest.mark.parametrize("name", [n for n in models.NAMES if n not in BIG])
+@pytest.mark.parametrize("name", [n for n in RESNETS if n not in BIG])
 @pytest.mark.parametrize("in_channels", [1, 3])
 def test_build_forward(name, in_channels):
     torch.manual_seed(0)
@@ -72,7 +74,8 @@ def test_big_models(name):
 def test_param_counts(name):
     m = meta_build(name, num_classes=10, in_channels=3)   # meta: shapes only, no memory or init
     assert n_params(m) == PARAMS[name]
-    assert f"({PARAMS[name] / 1e6:.1f}M params)" in models.describe(name) or name == "resnet_small"
+    n = PARAMS[name]
+    assert models.describe(name).endswith(f"({n / 1e6:.1f}M params)" if n >= 1e6 else f"({n / 1e3:.0f}K params)")
 
 
 def test_resnet18_is_the_cifar_figure():
@@ -231,3 +234,33 @@ def test_torchvision_broken_import_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="torchvision::nms does not exist") as e:
         models.build("torchvision:resnet18")
     assert "pip install 'prunex_hvd[vision]'" in str(e.value)
+
+
+@pytest.mark.parametrize("in_channels", [1, 3])
+@pytest.mark.parametrize("size", [8, 16, 32])
+def test_vit_tiny_any_image_up_to_32(in_channels, size):
+    torch.manual_seed(0)
+    model = models.build("vit", num_classes=7, in_channels=in_channels).eval()
+    with torch.no_grad():
+        out = model(torch.randn(2, in_channels, size, size))
+    assert out.shape == (2, 7) and torch.isfinite(out).all()
+    assert n_params(model) == PARAMS["vit_tiny"] - (3 - in_channels) * 128 * 16 - 3 * 129
+    attn = model.blocks[0].attn
+    assert attn.num_heads == 4 and attn.q.weight.shape == (128, 128) and model.blocks[0].mlp.fc1.out_features == 256
+
+
+def test_vit_tiny_trains_and_traces():
+    torch.manual_seed(0)
+    model = models.build("vit_tiny", num_classes=3, in_channels=1)
+    x, y = torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 1])
+    traced = torch.fx.symbolic_trace(model)   # coupling and export walk the fx graph
+    assert torch.allclose(traced(x), model(x))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(12):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]

@@ -401,7 +401,7 @@ def test_resolve_errors():
     with pytest.raises(ValueError, match=r"sparsity glob 'layer9\.\*' matches no parameter"):
         resolve_specs(net.named_parameters(), {"layer9.*": "channel:0.5"})
     with pytest.raises(ValueError, match=r"'fc\.weight' \(shape \(10, 16\)\) is not a conv weight \(4-D\); "
-                                         r"structured sparsity applies to conv weights only"):
+                                         r"filter/channel/shape apply to conv weights only"):
         resolve_specs(net.named_parameters(), {"fc.weight": "channel:0.5"})
     with pytest.raises(ValueError, match=r"is not a conv weight"):
         resolve_specs(net.named_parameters(), {"bn1.*": "filter:0.5", "*": "channel:0.5"})

@@ -15,7 +15,7 @@ import torch
 
 from ..dist.comm import check_backend_name
 from . import dependencies
-from .sparsity import StructureSpec, check_layer_types, resolve_specs, stream_keep
+from .sparsity import DENSE, StructureSpec, check_layer_types, resolve_specs, stream_keep
 
 COUPLING_MODES = (False, True, "pairs", "streams")
 PAYLOAD_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -285,7 +285,7 @@ class ConsensusConfig:
         """What every rank must hold equal: every knob, with ``sparsity`` and ``coupled`` replaced by what they
         resolved to on this model (``structure``), grouped as a disagreement is reported (``rho`` for the
         ρ's, ``freezing``, ...; a knob without a group under its own name)."""
-        resolved = {"sparsity": {n: str(s) for n, s in structure.specs.items()},
+        resolved = {"sparsity": ({n: str(s) for n, s in structure.specs.items()}, [g.module for g in structure.heads]),
                     "coupled": (structure.couplings, [list(map(list, s)) for s in structure.streams])}
         out: Dict[str, list] = {}
         for f in dataclasses.fields(self):
@@ -299,28 +299,39 @@ def check_bucket_mb(bucket_mb) -> None:
 
 
 class Structure(NamedTuple):
-    """What ``sparsity`` and ``coupled`` mean on one model: the spec of every structured parameter, the conv
-    pairs ``{consumer: producer}`` and residual streams pruned as one channel group each."""
+    """What ``sparsity`` and ``coupled`` mean on one model: the spec of every structured parameter, the pairs
+    ``{consumer: producer}`` (convs, MLP linears) and residual streams pruned as one channel group each, and the
+    attention modules whose heads are pruned (:class:`~prunex_hvd.engine.dependencies.HeadGroup`)."""
     specs: Dict[str, StructureSpec]
     couplings: Dict[str, str]
     streams: list
+    heads: list = []
 
     @classmethod
     def resolve(cls, model: torch.nn.Module, config: ConsensusConfig) -> "Structure":
         """Raises ``ValueError`` for a spec that does not fit the model (a glob matching nothing, a layer type
         the GEMM view does not fit, coupling that would change nothing, stream readers asking for different
-        keep ratios)."""
-        specs = resolve_specs(model.named_parameters(), config.sparsity)
+        keep ratios, an attention module's weights asking for different heads)."""
+        targets = dependencies.structure_targets(model)
+        specs = resolve_specs(model.named_parameters(), config.sparsity, targets)
         check_layer_types(model, specs, config.sparsity)   # before anything uses specs
         couplings, streams = _couplings(model, specs, config.coupled) if config.coupled else ({}, [])
-        return cls(specs, couplings, streams)
+        heads = [g for g in targets.heads if g.members[0] in specs]
+        return cls(specs, couplings, streams, heads)
 
 
 def _couplings(model, specs, coupled):
-    """The conv pairs and (``coupled="streams"``) residual streams pruned as one channel group each; an error
-    when coupling would change nothing, or when a stream's readers ask for different channel keep ratios."""
-    pairs = {c: p for c, p in dependencies.channel_couplings(model).items()
-             if c in specs and p in specs and any(k == "channel" for k, _ in specs[c].parts)}
+    """The pairs and (``coupled="streams"``) residual streams pruned as one channel group each; an error
+    when coupling would change nothing, or when a stream's readers ask for different channel keep ratios.
+    An MLP pair whose hidden layer has ``neuron:K`` and whose reader has no ``feature`` stage becomes one
+    group of hidden units: the reader takes ``feature:K`` (in ``specs``, which this updates)."""
+    pairs = {}
+    for c, p in dependencies.channel_couplings(model).items():
+        hidden = specs[p].keep("neuron") if p in specs else None
+        if hidden is not None and specs.get(c, DENSE).keep("feature") is None:
+            specs[c] = StructureSpec(specs.get(c, DENSE).parts + (("feature", hidden),))
+        if c in specs and p in specs and any(k in ("channel", "feature") for k, _ in specs[c].parts):
+            pairs[c] = p
     streams = []
     if coupled == "streams":
         for s in dependencies.channel_streams(model):
@@ -334,6 +345,6 @@ def _couplings(model, specs, coupled):
                              "reading and writing it, with a 'channel:K' spec on its readers: nothing to couple")
     if not pairs and not streams:
         raise ValueError("coupled=True, but no conv reads another structured conv's output alone through a "
-                         "channel stage (needs a 'channel:K' spec on both, and no residual in between): "
-                         "nothing to couple")
+                         "channel stage (needs a 'channel:K' spec on both, and no residual in between), and no "
+                         "MLP has 'neuron:K' or 'feature:K': nothing to couple")
     return pairs, streams

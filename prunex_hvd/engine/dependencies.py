@@ -1,11 +1,13 @@
-"""Which conv produces the channels another conv reads: the pairs that channel pruning can prune together.
+"""Which layer produces the channels another layer reads: the pairs that channel pruning can prune together,
+the residual streams, and the heads of attention modules.
 
 In ``conv1 → bn1 → relu → conv2`` the input channel ``c`` of ``conv2`` is filter ``c`` of ``conv1``, and nothing
 else reads it. Once ``conv2`` drops input channel ``c``, filter ``c`` of ``conv1`` (and its BatchNorm channel)
 computes a value no one uses: it can go too, and with it the traffic it would cost. Torch-Pruning's DepGraph
 calls this a dependency group; here only the simple, common case is found, by walking a ``torch.fx`` trace:
 
-* the consumer and the producer are ``nn.Conv2d`` with ``groups=1``;
+* the consumer and the producer are ``nn.Conv2d`` with ``groups=1``, or both ``nn.Linear`` (an MLP: fc1's
+  hidden neurons are fc2's input features);
 * between them lie only channel-wise modules or functions (BatchNorm, activations, dropout, identity);
 * every value on the way, the producer's output included, has exactly one user. A residual stream (read by
   an add as well) is never a pair;
@@ -16,6 +18,10 @@ calls this a dependency group; here only the simple, common case is found, by wa
 everything channel-wise on them, carry one channel space. Every conv writing into it (the stem, each block's
 last conv, a projection shortcut) and every conv reading it (block first convs, shortcut convs) must agree on
 channel ``c`` for export to remove it, so they form one group per stream.
+
+:func:`attention_heads` finds the heads (``head:K``): head ``h`` of an attention module is rows
+``h·d … (h+1)·d − 1`` of each of its query, key and value projections and the same columns of its output
+projection; dropping all of them together removes the head.
 """
 from __future__ import annotations
 
@@ -38,6 +44,20 @@ _ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
 _ADD_METHODS = {"add", "add_"}
 
 
+class HeadGroup(NamedTuple):
+    """One attention module's heads. ``rows``: weights whose rows are the heads' query/key/value outputs, each
+    ``blocks × num_heads × head_dim`` rows (a packed ``in_proj_weight`` or ``qkv`` holds 3 blocks, q, k, v);
+    ``cols``: the output projection, whose input columns are ``num_heads × head_dim``, head by head."""
+    module: str
+    num_heads: int
+    rows: Tuple[Tuple[str, int], ...]   # (weight name, blocks)
+    cols: Tuple[str, ...]
+
+    @property
+    def members(self) -> Tuple[str, ...]:
+        return tuple(n for n, _ in self.rows) + self.cols
+
+
 class Stream(NamedTuple):
     """One residual stream's channel group: conv weight names that read it (input channel ``c``) and that
     write into it (filter ``c``), each sorted."""
@@ -53,9 +73,9 @@ def _trace(model: nn.Module):
                          f"{type(model).__name__} failed: {type(e).__name__}: {e}") from None
     modules = dict(model.named_modules())
 
-    def conv(node):
+    def conv(node, linear=False):
         m = modules.get(node.target) if node.op == "call_module" else None
-        return m if isinstance(m, nn.Conv2d) and m.groups == 1 else None
+        return m if (isinstance(m, nn.Conv2d) and m.groups == 1) or (linear and isinstance(m, nn.Linear)) else None
 
     def channelwise(node, pooling=False) -> bool:
         if node.op == "call_module":
@@ -85,28 +105,74 @@ def _used_once(graph, model: nn.Module):
     return lambda node: uses.get(key(node)) == 1
 
 
+def _width(layer: nn.Module, side: str) -> int:
+    if isinstance(layer, nn.Linear):
+        return layer.out_features if side == "out" else layer.in_features
+    return layer.out_channels if side == "out" else layer.in_channels
+
+
 def channel_couplings(model: nn.Module) -> Dict[str, str]:
-    """``{consumer conv weight name: producer conv weight name}`` for every conv whose input channels come
-    from one other conv and go nowhere else. A conv whose weight is used more than once (called twice, or tied
-    to another conv's) is in no pair, nor in a stream: each use may have other readers. Raises ``ValueError``
-    when ``torch.fx`` cannot trace the model (data-dependent control flow): coupling is then not available."""
+    """``{consumer weight name: producer weight name}`` for every conv whose input channels come from one other
+    conv and go nowhere else, and every linear whose input features are one other linear's outputs alone (an
+    MLP's hidden layer). A layer whose weight is used more than once (called twice, or tied to another's) is in
+    no pair, nor in a stream: each use may have other readers. Raises ``ValueError`` when ``torch.fx`` cannot
+    trace the model (data-dependent control flow): coupling is then not available."""
     graph, conv, channelwise = _trace(model)
     used_once = _used_once(graph, model)
     pairs: Dict[str, str] = {}
     for node in graph.nodes:
-        consumer = conv(node)
+        consumer = conv(node, linear=True)
         if consumer is None or not node.args or not isinstance(node.args[0], torch.fx.Node):
             continue
         x = node.args[0]
         while len(x.users) == 1 and channelwise(x) and x.args and isinstance(x.args[0], torch.fx.Node):
             x = x.args[0]
-        producer = conv(x)
+        producer = conv(x, linear=True)
         # A conv called twice (or sharing its weight) has one weight for two places in the graph: its filters or
         # input channels would belong to two groups at once, and a pair would be decided for one call only.
-        if producer is not None and len(x.users) == 1 and producer.out_channels == consumer.in_channels and \
-                used_once(node) and used_once(x):
+        if producer is not None and type(producer) is type(consumer) and len(x.users) == 1 and \
+                _width(producer, "out") == _width(consumer, "in") and used_once(node) and used_once(x):
             pairs[f"{node.target}.weight"] = f"{x.target}.weight"
     return pairs
+
+
+# an attention module of one's own (timm's, a ViT's): ``num_heads`` and Linear children under these names
+_PACKED_QKV = ("qkv", "in_proj")
+_SEPARATE_QKV = (("q", "k", "v"), ("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
+_OUT_PROJ = ("proj", "out_proj", "o_proj", "out")
+
+
+def attention_heads(model: nn.Module) -> List[HeadGroup]:
+    """Every attention module's :class:`HeadGroup`: ``nn.MultiheadAttention`` (a packed ``in_proj_weight``, or
+    separate ``q/k/v_proj_weight``), and any module with an integer ``num_heads`` whose ``nn.Linear`` children are
+    a packed ``qkv`` (or ``in_proj``) or separate ``q, k, v`` (``q_proj, k_proj, v_proj``; ``query, key, value``),
+    and an output projection ``proj`` (``out_proj``, ``o_proj``, ``out``). A module whose sizes do not divide
+    into its heads is skipped."""
+    groups, params = [], dict(model.named_parameters())
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        heads = getattr(m, "num_heads", None)
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            continue
+        if isinstance(m, nn.MultiheadAttention):
+            rows = ((f"{prefix}in_proj_weight", 3),) if m.in_proj_weight is not None else \
+                tuple((f"{prefix}{k}_proj_weight", 1) for k in "qkv")
+            cols = (f"{prefix}out_proj.weight",)
+        else:
+            kids = {k: c for k, c in m.named_children() if isinstance(c, nn.Linear)}
+            packed = next((k for k in _PACKED_QKV if k in kids), None)
+            separate = next((t for t in _SEPARATE_QKV if all(k in kids for k in t)), None)
+            out = next((k for k in _OUT_PROJ if k in kids), None)
+            if out is None or (packed is None) == (separate is None):
+                continue
+            rows = ((f"{prefix}{packed}.weight", 3),) if packed else tuple((f"{prefix}{k}.weight", 1) for k in separate)
+            cols = (f"{prefix}{out}.weight",)
+        if not all(n in params and params[n].dim() == 2 for n in (*(n for n, _ in rows), *cols)):
+            continue
+        sizes = [params[n].shape[0] / b for n, b in rows] + [params[n].shape[1] for n in cols]
+        if len(set(sizes)) == 1 and sizes[0] % heads == 0:
+            groups.append(HeadGroup(name, heads, rows, cols))
+    return groups
 
 
 def channel_streams(model: nn.Module) -> List[Stream]:
@@ -163,3 +229,20 @@ def channel_streams(model: nn.Module) -> List[Stream]:
             streams.append(Stream(tuple(sorted(f"{u.target}.weight" for u in readers)),
                                   tuple(sorted(f"{n.target}.weight" for n in writers))))
     return sorted(streams)
+
+
+def structure_targets(model: nn.Module) -> "Targets":
+    """What the kinds beyond convs can hold in ``model`` (:class:`~prunex_hvd.engine.sparsity.spec.Targets`):
+    its linear weights, its MLP pairs (from the ``torch.fx`` walk; none when the model does not trace) and
+    its attention modules' head groups."""
+    from .sparsity.spec import Targets
+
+    linear = frozenset(f"{n}.weight" if n else "weight" for n, m in model.named_modules() if isinstance(m, nn.Linear))
+    try:
+        pairs = channel_couplings(model)
+    except ValueError:
+        pairs = {}
+    hidden = {c: p for c, p in pairs.items() if c in linear and p in linear}
+    conv = frozenset(f"{n}.weight" if n else "weight" for n, m in model.named_modules()
+                     if isinstance(m, nn.modules.conv._ConvNd))
+    return Targets(linear, hidden, tuple(attention_heads(model)), conv)

@@ -136,6 +136,7 @@ class HSADMM:
         structure = structure or Structure.resolve(model, config)
         self.couplings = dict(structure.couplings)   # {consumer conv: producer conv}, pruned as one channel group
         self.streams = list(structure.streams)       # [(readers, writers)]: one channel group per residual stream
+        self.heads = list(structure.heads)           # attention modules whose heads are kept or dropped whole
         self.bucket_bytes = int(config.bucket_mb * 2**20)
         self.ledger = ledger or default_ledger()
         params = [(n, p) for n, p in model.named_parameters()]
@@ -824,7 +825,7 @@ class HSADMM:
         """Π_S's support for every structured entry (in ``self.structured`` order), coupled channel groups
         (pairs, residual streams) pruned together; ``extra`` > 0 loosens every keep ratio (the keep ramp)."""
         masks = sparsity.coupled_masks(weights, {e.name: sparsity.loosened(e.spec, extra) for e in self.structured},
-                                       self.couplings, self.streams)
+                                       self.couplings, self.streams, self.heads)
         return [masks[e.name] for e in self.structured]
 
     def _sync_masks(self, local) -> None:

@@ -1,4 +1,5 @@
-"""Model registry: built-in CIFAR ResNets by name, plus `torchvision:NAME` where torchvision imports.
+"""Model registry: built-in CIFAR ResNets and a small ViT by name, plus `torchvision:NAME` where torchvision
+imports (`torchvision:vit_b_16` among them, at --image-size 224).
 
     from prunex_hvd.app import models
     net = models.build("resnet18", num_classes=10, in_channels=3)
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from .resnet import resnet18, resnet50, resnet152, resnet_small, wide_resnet50_2
+from .vit import vit_tiny
 
 __all__ = ["NAMES", "build", "canonical_name", "default_image_size", "describe", "trained_like_batchnorm"]
 
@@ -25,6 +27,7 @@ _BUILDERS: Dict[str, Callable[..., nn.Module]] = {
     "resnet50": resnet50,
     "resnet152": resnet152,
     "wide_resnet50_2": wide_resnet50_2,
+    "vit_tiny": vit_tiny,
 }
 NAMES = tuple(_BUILDERS)
 
@@ -34,6 +37,7 @@ _TITLES = {
     "resnet50": "CIFAR ResNet-50",
     "resnet152": "CIFAR ResNet-152",
     "wide_resnet50_2": "CIFAR Wide ResNet-50-2",
+    "vit_tiny": "small ViT for 32x32 (patch 4, width 128, 4 blocks of 4 heads)",
 }
 
 # Parameter counts for 10 classes and 3 input channels (tests check them against real builds). A table, not a
@@ -44,6 +48,7 @@ _PARAMS = {
     "resnet50": 23_520_842,
     "resnet152": 58_156_618,
     "wide_resnet50_2": 66_847_050,
+    "vit_tiny": 546_186,
 }
 
 # Aliases are matched after lower-casing and dropping '-', '_' and spaces, so "ResNet-18", "resnet_18",
@@ -54,6 +59,7 @@ _ALIASES = {
     "resnet50": "resnet50",
     "resnet152": "resnet152",
     "wideresnet502": "wide_resnet50_2", "wrn502": "wide_resnet50_2",
+    "vittiny": "vit_tiny", "vit": "vit_tiny",
 }
 
 

@@ -30,13 +30,13 @@ functions, no communication; CPU and CUDA alike. Everything public is re-exporte
 """
 from .packing import (GatherPlan, KernelPlan, Plan, gather_plan, recover, recover_gather, shrink,
                       shrink_into)
-from .projection import (apply_masks, coupled_masks, coupled_project, density, gemm_view,
-                         masks_to_indices, project, read_channels, square_f32, stream_channels, stream_keep,
+from .projection import (apply_masks, coupled_masks, coupled_project, density, gemm_view, head_masks,
+                         head_scores, masks_to_indices, project, read_channels, square_f32, stream_channels, stream_keep,
                          structured_masks)
-from .spec import (DENSE, KINDS, StructureSpec, check_layer_types, keep_count, loosened, parse_spec,
+from .spec import (CONV_KINDS, DENSE, HEAD_KINDS, KINDS, LINEAR_KINDS, StructureSpec, Targets, check_layer_types, keep_count, loosened, parse_spec,
                    ramp_extra, resolve_specs, stages_removing_nothing)
 
-__all__ = ["DENSE", "KINDS", "GatherPlan", "KernelPlan", "Plan", "StructureSpec", "apply_masks", "check_layer_types",
+__all__ = ["CONV_KINDS", "DENSE", "HEAD_KINDS", "KINDS", "LINEAR_KINDS", "Targets", "head_masks", "head_scores", "GatherPlan", "KernelPlan", "Plan", "StructureSpec", "apply_masks", "check_layer_types",
            "coupled_masks", "coupled_project", "density", "gather_plan", "gemm_view", "keep_count", "loosened", "masks_to_indices",
            "parse_spec", "ramp_extra", "project", "read_channels", "recover", "recover_gather", "resolve_specs", "shrink",
            "shrink_into", "square_f32", "stages_removing_nothing", "stream_channels", "stream_keep",

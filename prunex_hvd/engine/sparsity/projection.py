@@ -1,5 +1,6 @@
-"""Projection onto a structured set: the masks of a conv weight's kept filters, channels or columns, alone or
-coupled across layers that must drop the same channels. Pure tensor functions, no communication.
+"""Projection onto a structured set: the masks of a conv weight's kept filters, channels or columns, of a linear
+weight's kept neurons or features, alone or coupled across layers that must drop the same channels, and of an
+attention module's kept heads. Pure tensor functions, no communication.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .spec import StructureSpec, keep_count, parse_spec
+from .spec import CONV_KINDS, HEAD_KINDS, LINEAR_KINDS, StructureSpec, keep_count, parse_spec
 
 # --------------------------------------------------------------------------------------------- masks
 
@@ -38,7 +39,10 @@ def structured_masks(weight: Tensor, spec, rows: Optional[Tensor] = None,
     """The projection's support: ``(rows: bool[C_out], cols: bool[C_in*KH*KW])`` on ``weight.device``.
 
     Stages run filter → channel → shape, each ranking the weight as masked by the stages before it. Channel
-    and shape columns combine with AND. A dense spec gives all-True masks (for a tensor of any rank).
+    and shape columns combine with AND. A dense spec gives all-True masks (for a tensor of any rank). A linear
+    weight ``(out, in)`` is its own GEMM matrix: ``neuron`` is its filter stage (rows) and ``feature`` its
+    channel stage (one column per input feature). ``head`` is decided per attention module
+    (:func:`head_masks`), never here.
 
     Coupled pruning (:func:`coupled_masks`) passes ``rows``, the row mask decided by the layer that reads
     this one's output (it replaces the filter stage), and ``channel_bonus``, squared norms (``[C_in]``) of the
@@ -51,8 +55,15 @@ def structured_masks(weight: Tensor, spec, rows: Optional[Tensor] = None,
     cols = torch.ones(n_cols, dtype=torch.bool, device=w.device)
     if spec.is_dense:
         return torch.ones(n_rows, dtype=torch.bool, device=w.device), cols
-    if weight.dim() != 4:
+    kinds = {k for k, _ in spec.parts}
+    if kinds & set(HEAD_KINDS):
+        raise ValueError(f"{str(spec)!r}: 'head:K' prunes an attention module's heads across its q/k/v and output "
+                         f"projections at once (head_masks), not one weight alone")
+    if kinds & set(CONV_KINDS) and weight.dim() != 4:
         raise ValueError(f"structured sparsity {str(spec)!r} needs a conv weight (4-D: C_out, C_in, KH, KW), "
+                         f"got shape {tuple(weight.shape)}")
+    if kinds & set(LINEAR_KINDS) and weight.dim() != 2:
+        raise ValueError(f"structured sparsity {str(spec)!r} needs a linear weight (2-D: out, in), "
                          f"got shape {tuple(weight.shape)}")
     tied = rows is not None
     rows = rows.to(w.device) if tied else torch.ones(n_rows, dtype=torch.bool, device=w.device)
@@ -63,10 +74,10 @@ def structured_masks(weight: Tensor, spec, rows: Optional[Tensor] = None,
     ksize = n_cols // c_in
     for kind, keep in spec.parts:   # already in filter -> channel -> shape order
         masked = sq * rows[:, None] * cols[None, :]
-        if kind == "filter":
+        if kind in ("filter", "neuron"):
             if not tied:
                 rows = _top_mask(masked.sum(1), keep_count(keep, n_rows))
-        elif kind == "channel":
+        elif kind in ("channel", "feature"):
             score = masked.view(n_rows, c_in, ksize).sum((0, 2))
             if channel_bonus is not None:
                 score = score + channel_bonus.to(score)
@@ -112,6 +123,32 @@ def stream_channels(weights: Mapping[str, Tensor], readers, writers, keep: float
     return _top_mask(score, keep_count(keep, score.numel()))
 
 
+def head_scores(weights: Mapping[str, Tensor], group) -> Tensor:
+    """Each head's squared norm over its whole group (``float32`` at least, ``[num_heads]``): its rows of every
+    q/k/v block and its columns of the output projection (``group``: a
+    :class:`~prunex_hvd.engine.dependencies.HeadGroup`)."""
+    h = group.num_heads
+    score = sum(square_f32(weights[n]).sum(1).view(blocks, h, -1).sum((0, 2)) for n, blocks in group.rows)
+    return score + sum(square_f32(weights[n]).sum(0).view(h, -1).sum(1).to(score.device) for n in group.cols)
+
+
+def head_masks(weights: Mapping[str, Tensor], group, keep: float) -> dict:
+    """``{name: (rows, cols)}`` for every weight of an attention module with ``ceil(keep·num_heads)`` heads kept,
+    those of largest :func:`head_scores` (ties: lowest index): the Frobenius-nearest point where each head is
+    all there or all zero across its q/k/v rows and output-projection columns."""
+    heads = _top_mask(head_scores(weights, group), keep_count(keep, group.num_heads))
+    out = {}
+    for n, blocks in group.rows:
+        w = weights[n]
+        rows = heads.view(1, -1, 1).expand(blocks, -1, w.shape[0] // (blocks * group.num_heads)).reshape(-1)
+        out[n] = (rows.to(w.device), torch.ones(w.shape[1], dtype=torch.bool, device=w.device))
+    for n in group.cols:
+        w = weights[n]
+        cols = heads.repeat_interleave(w.shape[1] // group.num_heads)
+        out[n] = (torch.ones(w.shape[0], dtype=torch.bool, device=w.device), cols.to(w.device))
+    return out
+
+
 def read_channels(cols: Tensor, c_in: int) -> Tensor:
     """The input channels a column mask reads (``bool[c_in]``): channel ``c`` counts when ANY of its kernel
     positions is kept. A shape stage can drop some positions of a kept channel, its first one included, and the
@@ -120,7 +157,7 @@ def read_channels(cols: Tensor, c_in: int) -> Tensor:
 
 
 def coupled_masks(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureSpec"],
-                  couplings: Mapping[str, str], streams=()) -> dict:
+                  couplings: Mapping[str, str], streams=(), heads=()) -> dict:
     """Masks ``{name: (rows, cols)}`` for every name in ``specs``, with channel pruning coupled along
     ``couplings`` (``{consumer: producer}``, from :func:`prunex_hvd.engine.dependencies.channel_couplings`) and
     ``streams`` (``(readers, writers)`` name tuples, from :func:`prunex_hvd.engine.dependencies.channel_streams`).
@@ -137,6 +174,9 @@ def coupled_masks(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureS
     readers' channel stage and its writers' filter stage are replaced by the group's channel set. Streams are
     decided first, on the weights as they are; pairs then rank given them (a producer that reads a stream
     scores only its filters' kept columns: the exact choice given the stream's).
+
+    ``heads``: attention modules' :class:`~prunex_hvd.engine.dependencies.HeadGroup`, each decided as one group
+    (:func:`head_masks`) at its members' ``head:K``; their weights are in no pair or stream.
     """
     readers_of: dict = {}
     for consumer, producer in couplings.items():
@@ -155,12 +195,19 @@ def coupled_masks(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureS
         for n in readers:
             stream_cols[n] = ch
     live = {c: p for c, p in couplings.items()
-            if c in specs and p in specs and any(k == "channel" for k, _ in parse_spec(specs[c]).parts)}
+            if c in specs and p in specs and any(k in ("channel", "feature") for k, _ in parse_spec(specs[c]).parts)}
     twice = [n for n in live if n in stream_cols] + [n for n in live.values() if n in stream_rows]
     if twice:   # a conv's input channels, and its filters, belong to one group each
         raise ValueError(f"{twice[0]} is in a coupled pair and a residual stream on the same side")
+    in_heads = {n for g in heads for n in g.members}
+    clash = [n for n in (*live, *live.values(), *stream_rows, *stream_cols) if n in in_heads]
+    if clash:
+        raise ValueError(f"{clash[0]} is in an attention module's head group and in a coupled pair or stream")
     consumer_of = {p: c for c, p in live.items()}
     out: dict = {}
+    for group in heads:
+        keep = parse_spec(specs[group.members[0]]).keep("head")
+        out.update(head_masks(weights, group, keep))
     busy = set()   # a cycle of pairs would recurse for ever
 
     def masks(name):   # consumers before their producers: a producer's rows are its consumer's channels
@@ -188,10 +235,10 @@ def coupled_masks(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureS
 
 
 def coupled_project(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureSpec"],
-                    couplings: Mapping[str, str], streams=()) -> dict:
+                    couplings: Mapping[str, str], streams=(), heads=()) -> dict:
     """``{name: W ⊙ mask}`` with the masks of :func:`coupled_masks`."""
     return {name: apply_masks(weights[name], rows, cols)
-            for name, (rows, cols) in coupled_masks(weights, specs, couplings, streams).items()}
+            for name, (rows, cols) in coupled_masks(weights, specs, couplings, streams, heads).items()}
 
 
 def masks_to_indices(rows: Tensor, cols: Tensor) -> Tuple[Tensor, Tensor]:

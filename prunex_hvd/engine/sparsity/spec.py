@@ -1,9 +1,11 @@
-"""Sparsity specs: which structure each conv weight is held to, parsed and checked before training starts.
+"""Sparsity specs: which structure each weight is held to, parsed and checked before training starts.
 
-``"filter:K"``, ``"channel:K"``, ``"shape:K"`` (K = fraction of groups KEPT), joined with ``"+"`` and
-applied filter → channel → shape; or ``{name_glob: spec}`` per layer (:func:`resolve_specs`). What each kind
-keeps, and how a spec becomes masks, is in :mod:`prunex_hvd.engine.sparsity` (the package docstring).
-Pure functions, no tensors moved, no communication.
+Conv weights (4-D): ``"filter:K"``, ``"channel:K"``, ``"shape:K"``; linear weights (2-D): ``"neuron:K"`` (rows),
+``"feature:K"`` (input columns); attention: ``"head:K"`` (K = fraction of groups KEPT). Parts are joined with
+``"+"`` and applied filter → channel → shape, neuron → feature; each weight takes the parts of its kind. Or
+``{name_glob: spec}`` per layer (:func:`resolve_specs`). What each kind keeps, and how a spec becomes masks, is
+in :mod:`prunex_hvd.engine.sparsity` (the package docstring). Pure functions, no tensors moved, no
+communication.
 """
 from __future__ import annotations
 
@@ -11,11 +13,14 @@ import fnmatch
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-KINDS = ("filter", "channel", "shape")   # also the application order
+KINDS = ("filter", "channel", "shape", "neuron", "feature", "head")   # also the application order
+CONV_KINDS = ("filter", "channel", "shape")   # on 4-D conv weights
+LINEAR_KINDS = ("neuron", "feature")           # on 2-D linear weights: rows, input columns
+HEAD_KINDS = ("head",)                         # on an attention module's heads, one group over its weights
 _ORDER = {k: i for i, k in enumerate(KINDS)}
 _DENSE_WORDS = ("", "dense")
 
@@ -66,6 +71,14 @@ class StructureSpec:
         if self.is_dense:
             return "dense"
         return "+".join(f"{k}:{_fmt_keep(v)}" for k, v in self.parts)
+
+    def only(self, kinds) -> "StructureSpec":
+        """The parts whose kind is in ``kinds`` (what one kind of weight takes of a mixed spec)."""
+        return StructureSpec(tuple(p for p in self.parts if p[0] in kinds))
+
+    def keep(self, kind: str) -> Optional[float]:
+        """The keep ratio of ``kind``, or None without that stage."""
+        return next((k for name, k in self.parts if name == kind), None)
 
 
 DENSE = StructureSpec(())
@@ -124,23 +137,80 @@ def parse_spec(spec) -> StructureSpec:
     return StructureSpec(tuple(parts))
 
 
-def resolve_specs(named_params, sparsity) -> dict:
-    """Which parameters get which structure: ``{name: StructureSpec}`` for the constrained conv weights only.
+class Targets(NamedTuple):
+    """Which weights of a model the kinds beyond convs can hold: ``linear``, the 2-D weights of its
+    ``nn.Linear`` layers; ``hidden``, its MLP pairs ``{consumer: producer}`` (a linear reading another linear's
+    outputs alone); ``heads``, its attention modules' head groups (objects with ``members``, the weight names,
+    and ``module``); ``conv``, the weights of its conv layers (None: every 4-D parameter, when the model is not
+    known). :func:`prunex_hvd.engine.dependencies.structure_targets` finds them."""
+    linear: frozenset = frozenset()
+    hidden: Mapping = {}
+    heads: tuple = ()
+    conv: Optional[frozenset] = None
 
-    ``sparsity`` is ``None`` (nothing), one spec for every 4-D parameter, or a dict ``{glob: spec}`` whose
-    globs (:func:`fnmatch.fnmatchcase`, case-sensitive) match parameter names; for each 4-D parameter the
-    first matching glob in dict order decides, so ``{"conv1.*": "dense", "*": "channel:0.5"}`` spares
-    ``conv1``. A glob that matches nothing, or that asks for structure on non-conv parameters only, is an
-    error rather than a silent no-op: a typo there would otherwise train a dense model.
+    def is_conv(self, name: str, p) -> bool:
+        return p.dim() == 4 and (self.conv is None or name in self.conv)
+
+    def head_members(self) -> Dict[str, object]:
+        return {n: g for g in self.heads for n in g.members}
+
+
+def _fitting(name: str, p, spec: StructureSpec, targets: Targets) -> StructureSpec:
+    """The parts of ``spec`` that ``name`` can hold: conv kinds on a 4-D weight, linear kinds on a linear
+    weight, head on an attention module's member."""
+    kinds = CONV_KINDS if targets.is_conv(name, p) else ()
+    if name in targets.linear:
+        kinds += LINEAR_KINDS
+    if name in targets.head_members():
+        kinds += HEAD_KINDS
+    return spec.only(kinds)
+
+
+def resolve_specs(named_params, sparsity, targets: Optional[Targets] = None) -> dict:
+    """Which parameters get which structure: ``{name: StructureSpec}`` for the constrained weights only.
+
+    ``sparsity`` is ``None`` (nothing), one spec, or a dict ``{glob: spec}``. One spec: its conv parts hold every
+    conv weight (every 4-D parameter without ``targets``); ``neuron:K`` the hidden layer of every MLP (the producer of each of ``targets.hidden``'s
+    pairs: never a classifier or a projection into a residual stream), ``feature:K`` the reader of it; ``head:K``
+    every attention module's heads (``targets.heads``). A dict: for each parameter the first glob
+    (:func:`fnmatch.fnmatchcase`, case-sensitive) matching its name in dict order decides, and the parameter
+    takes the parts of that spec its kind can hold, so ``{"conv1.*": "dense", "*": "channel:0.5"}`` spares
+    ``conv1``. A glob that matches nothing, or whose spec fits none of the parameters it matches, is an error
+    rather than a silent no-op: a typo there would otherwise train a dense model. So is a spec beyond convs
+    without ``targets`` (the model's layers), and an attention module whose weights ask for different heads.
     """
     params = [(name, p) for name, p in named_params]
     if sparsity is None:
         return {}
+    beyond = set(LINEAR_KINDS + HEAD_KINDS)
+    if targets is None:
+        asked = [sparsity] if not isinstance(sparsity, Mapping) else list(sparsity.values())
+        if any(k in beyond for spec in asked for k, _ in _parts_or_none(spec)):
+            raise ValueError("structures beyond convs (neuron, feature, head) need the model's layers: "
+                             "pass targets=dependencies.structure_targets(model)")
+        targets = Targets()
     if not isinstance(sparsity, Mapping):
         spec = parse_spec(sparsity)
-        if spec.is_dense:
-            return {}
-        return {name: spec for name, p in params if p.dim() == 4}
+        out = {}
+        conv = spec.only(CONV_KINDS)
+        if not conv.is_dense:
+            out.update({name: conv for name, p in params if targets.is_conv(name, p)})
+        for kind, where in (("neuron", set(targets.hidden.values())), ("feature", set(targets.hidden))):
+            if spec.keep(kind) is not None:
+                if not where:
+                    raise ValueError(f"sparsity {str(spec)!r}: '{kind}:K' prunes the hidden layers of MLPs (a "
+                                     f"linear reading another linear's outputs through element-wise ops only), "
+                                     f"and this model has none (or torch.fx cannot trace it); name the layers with a dict "
+                                     f"instead")
+                for name in where:
+                    out[name] = StructureSpec(out.get(name, DENSE).parts + ((kind, spec.keep(kind)),))
+        if spec.keep("head") is not None:
+            if not targets.heads:
+                raise ValueError(f"sparsity {str(spec)!r}: 'head:K' needs attention modules (nn.MultiheadAttention, "
+                                 f"or num_heads with q/k/v and proj linears), and this model has none")
+            out.update({n: spec.only(HEAD_KINDS) for n in targets.head_members()})
+        order = {name: i for i, (name, _) in enumerate(params)}
+        return _checked_heads({n: out[n] for n in sorted(out, key=order.__getitem__)}, targets)
 
     rules = []
     for glob, s in sparsity.items():
@@ -154,22 +224,47 @@ def resolve_specs(named_params, sparsity) -> dict:
         if not matched:
             some = ", ".join(name for name, _ in params[:6]) + (", ..." if len(params) > 6 else "")
             raise ValueError(f"sparsity glob {glob!r} matches no parameter (names look like: {some or 'none'})")
-        if not spec.is_dense and not any(p.dim() == 4 for _, p in matched):
+        if not spec.is_dense and all(_fitting(n, p, spec, targets).is_dense for n, p in matched):
             name, p = matched[0]
-            raise ValueError(f"sparsity[{glob!r}] = {str(spec)!r}: {name!r} (shape {tuple(p.shape)}) is not a conv "
-                             f"weight (4-D); structured sparsity applies to conv weights only")
+            why = [text for kinds, text in
+                   ((CONV_KINDS, "not a conv weight (4-D); filter/channel/shape apply to conv weights only"),
+                    (LINEAR_KINDS, "not an nn.Linear weight; neuron/feature apply to linear weights only"),
+                    (HEAD_KINDS, "not a projection of an attention module; head applies to those only"))
+                   if not spec.only(kinds).is_dense]
+            raise ValueError(f"sparsity[{glob!r}] = {str(spec)!r}: {name!r} (shape {tuple(p.shape)}) is "
+                             + " and ".join(why))
         rules.append((glob, spec))
 
     out = {}
     for name, p in params:
-        if p.dim() != 4:
-            continue
         for glob, spec in rules:
             if fnmatch.fnmatchcase(name, glob):
-                if not spec.is_dense:
-                    out[name] = spec
+                fit = _fitting(name, p, spec, targets)
+                if not fit.is_dense:
+                    out[name] = fit
                 break
-    return out
+    return _checked_heads(out, targets)
+
+
+def _parts_or_none(spec) -> tuple:
+    """The parts of ``spec``, or none when it does not parse (the caller's own parse says why, in context)."""
+    try:
+        return parse_spec(spec).parts
+    except (TypeError, ValueError):
+        return ()
+
+
+def _checked_heads(specs: dict, targets: Targets) -> dict:
+    """``specs``, after checking every attention module's weights ask for one thing: all the same ``head:K``
+    and nothing else, or no head stage at all."""
+    for group in targets.heads:
+        asked = {n: specs.get(n, DENSE) for n in group.members}
+        with_head = [n for n, s in asked.items() if s.keep("head") is not None]
+        if with_head and (len({str(s) for s in asked.values()}) != 1):
+            raise ValueError(f"attention {group.module or 'module'!r}: a head is pruned from all of "
+                             f"{', '.join(group.members)} at once, so they need the same 'head:K' and no other "
+                             f"stage; got " + ", ".join(f"{n}: {str(s)!r}" for n, s in asked.items()))
+    return specs
 
 
 def _suggest(overrides: dict, sparsity) -> dict:
