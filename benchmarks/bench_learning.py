@@ -43,6 +43,9 @@ TASKS: Dict[str, dict] = {
     # the emulated cluster's task: ResNet-18 on digits at 8×8, two rounds an epoch (benchmarks/README.md)
     "digits8-r18": dict(args="--model resnet18 --dataset digits --image-size 8 --epochs 16 --batch-size 16 "
                              "--lr 0.05 --local-steps 11 --freeze-round 4", targets=(0.7, 0.8, 0.9)),
+    # beyond convs: the small ViT on the digits at 16×16 (16 patches of 4×4), heads and MLP neurons pruned
+    "digits-vit": dict(args="--model vit_tiny --dataset digits --image-size 16 --epochs 24 --batch-size 16 "
+                            "--lr 0.05 --local-epochs 1 --freeze-round 8", targets=(0.8, 0.9, 0.95)),
     # ResNet-18 on CIFAR-size generated data (the emulated cluster's model; minutes per run on 2 cores)
     "synthetic-r18": dict(args="--model resnet18 --dataset synthetic --image-size 32 --epochs 8 --batch-size 32 "
                                "--lr 0.05 --local-epochs 1 --freeze-round 3", targets=(0.5, 0.7, 0.8)),
@@ -109,6 +112,11 @@ VARIANTS: Dict[str, str] = {
     "prunex-dense-overlap-every-s4": "--method prunex --sparsity dense --overlap --overlap-steps 4 "
                                      "--no-overlap-after-freeze",
     "prunex-dense": "--method prunex --sparsity dense",
+    # beyond convs (a ViT): half the heads of every attention module; half of every MLP's hidden units (fc1's
+    # rows with fc2's columns, one group); both
+    "prunex-heads": "--method prunex --sparsity head:0.5",
+    "prunex-neurons": "--method prunex --sparsity neuron:0.5 --coupled",
+    "prunex-vit": "--method prunex --sparsity head:0.5+neuron:0.5 --coupled",
 }
 
 

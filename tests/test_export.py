@@ -282,3 +282,61 @@ def test_bad_run_folders_are_clear_errors(tmp_path, capsys, case, message):
     rc = cli.main(args)
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("prunex-hvd: error: ") and re.search(message, err), err
+
+
+# ------------------------------------------------------------------------------------- beyond convs: a ViT
+
+def vit_pruned(spec, coupled, seed=0):
+    """vit_tiny with biases and norms like a trained model's (nonzero: a dropped neuron's GELU(b) is a constant,
+    not a zero), its weights projected as finalize() leaves them."""
+    from prunex_hvd import ConsensusConfig
+    from prunex_hvd.engine.config import Structure
+
+    torch.manual_seed(seed)
+    model = models.build("vit_tiny", num_classes=10, in_channels=1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.3)
+    structure = Structure.resolve(model, ConsensusConfig(sparsity=spec, coupled=coupled))
+    ws = {n: p for n, p in model.named_parameters() if n in structure.specs}
+    new = sparsity.coupled_project(ws, structure.specs, structure.couplings, structure.streams, structure.heads)
+    with torch.no_grad():
+        for n, w in new.items():
+            ws[n].copy_(w)
+    return model.eval()
+
+
+@pytest.mark.parametrize("spec,coupled,heads,hidden,folded", [("head:0.5+neuron:0.5", True, 2, 128, 0),
+                                                               ("head:0.25", False, 1, 256, 0),
+                                                               ("neuron:0.5", False, 4, 128, 128)])
+def test_a_vit_loses_its_pruned_heads_and_hidden_units(digit_batches, spec, coupled, heads, hidden, folded):
+    """Heads go whole (q/k/v rows, output-projection columns, num_heads); an MLP's hidden units go with fc2's
+    columns (coupled) or, alone, as constants GELU(b) folded into fc2's bias."""
+    masked = vit_pruned(spec, coupled)
+    x = digit_batches[0][0]
+    small, report = export.slim(masked, x[:2], calibration=x[:32])
+    assert_same_function(masked, small, digit_batches)
+    for block in small.blocks:
+        assert block.attn.num_heads == heads and block.attn.q.out_features == block.attn.k.out_features == \
+            block.attn.v.out_features == block.attn.proj.in_features == 32 * heads
+        assert block.mlp.fc1.out_features == block.mlp.fc2.in_features == hidden
+        assert block.mlp.fc2.out_features == 128   # the residual stream stays whole
+    assert report["heads"] == 16 and report["heads_removed"] == 4 * (4 - heads)
+    assert report["folded"] == 4 * folded and report["removed"] == 4 * (256 - hidden)
+    assert export.count_params(small)["params"] < export.count_params(masked)["params"] or heads == 4
+
+
+def test_multihead_attention_keeps_its_zero_heads_and_says_why():
+    import engine_cases
+
+    torch.manual_seed(0)
+    model = engine_cases.MhaNet().eval()
+    with torch.no_grad():   # head 1 of 4 (head_dim 2) gone from the output projection
+        model.attn.out_proj.weight[:, 2:4] = 0
+    x = torch.randn(8, 3, 6, 6)
+    small, report = export.slim(model, x[:2], calibration=x)
+    assert report["attention"] == [{"module": "attn", "heads": 4, "removed": 0,
+                                    "skipped": "nn.MultiheadAttention ties num_heads × head_dim to its embedding "
+                                               "width: its zero heads stay"}]
+    assert torch.allclose(small(x), model(x), atol=1e-6)

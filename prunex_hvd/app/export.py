@@ -15,9 +15,9 @@ BatchNorm), the ones that read it, and every add of a residual stream along the 
 
 * **unread**: every reading conv/linear has its input channel ``c`` all zero. Nothing depends on the value, so
   ``c`` goes from writers, BatchNorms and readers alike (whatever the writers' filters hold).
-* **dead**: every writing conv/linear has filter ``c`` (and bias) at zero, but some reader still reads it. The
-  channel is then input-independent: BatchNorm turns the zero into ``beta - gamma*mean/std`` and ReLU, adds and
-  pooling keep it constant. Its value ``k`` is read at each reader's input on real data (and checked on a
+* **dead**: every writing conv/linear has filter ``c`` at zero, but some reader still reads it. The channel is
+  then input-independent: its bias, or BatchNorm's ``beta - gamma*mean/std``, through GELU/ReLU, adds and
+  pooling, is a constant. Its value ``k`` is read at each reader's input on real data (and checked on a
   second, random batch). ``k == 0`` everywhere: ``c`` goes. Otherwise ``c`` goes only if every reader can
   absorb it exactly: a Linear, or a conv without padding (a 1x1), whose bias gains ``k * W[:, c].sum()``
   (a bias is added where the conv had none). A padded conv sees zeros at the border instead of ``k``, so
@@ -27,8 +27,14 @@ BatchNorm), the ones that read it, and every add of a residual stream along the 
 Residual streams are one group, so a stream channel goes only where every block reading the stream agrees;
 with per-layer channel masks they rarely do, and the zero columns stay in the slim model (``params_nonzero``
 says how many). A group holding a layer Torch-Pruning would prune with other semantics (grouped convs, norms
-other than BatchNorm, attention...) or reaching the model output is left whole. Finally the slim model is run
-against the original on the calibration batch and must match, else :func:`slim` raises.
+other than BatchNorm, LayerNorm, attention...) or reaching the model output is left whole: a transformer's
+residual stream stays, its MLPs' hidden units go (fc1 → GELU → fc2 is such a group).
+
+Attention heads (``head:K``) go before the graph is built: a head whose columns of the output projection are
+all zero adds nothing, so its q/k/v rows and those columns are cut and ``num_heads`` lowered
+(:func:`_drop_heads`; modules with separate ``q/k/v`` or a packed ``qkv`` linear, not ``nn.MultiheadAttention``,
+whose width is tied to its heads). Finally the slim model is run against the original on the calibration batch
+and must match, else :func:`slim` raises.
 """
 from __future__ import annotations
 
@@ -41,6 +47,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+from ..engine.dependencies import attention_heads
 
 __all__ = ["check_structured", "compare", "count_flops", "count_params", "export_run", "load", "measure_latency",
            "save", "slim"]
@@ -57,24 +65,64 @@ def _plain_convs(model: nn.Module):
 
 
 def structured_zeros(model: nn.Module) -> Dict[str, int]:
-    """Whole-zero output filters and input channels over the plain convs of ``model``."""
-    filters = channels = 0
+    """Whole-zero output filters and input channels over the plain convs of ``model``, and whole-zero rows
+    (neurons) and input columns (features) over its linear layers."""
+    filters = channels = neurons = features = 0
     for _, m in _plain_convs(model):
         w = m.weight.detach()
         filters += int((~(w != 0).flatten(1).any(1)).sum())
         channels += int((~(w != 0).any(dim=(0, 2, 3))).sum())
-    return {"zero_filters": filters, "zero_input_channels": channels}
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            live = m.weight.detach() != 0
+            neurons += int((~live.any(1)).sum())
+            features += int((~live.any(0)).sum())
+    return {"zero_filters": filters, "zero_input_channels": channels, "zero_neurons": neurons,
+            "zero_features": features}
 
 
 def check_structured(model: nn.Module, what: str = "the model") -> Dict[str, int]:
-    """Raise ``ValueError`` unless some conv of ``model`` has a whole zero filter or input channel."""
+    """Raise ``ValueError`` unless some conv of ``model`` has a whole zero filter or input channel, or some
+    linear a whole zero row or column."""
     zeros = structured_zeros(model)
     if not any(zeros.values()):
         raise ValueError(
-            f"{what} was not trained with structured sparsity: no conv has a whole zero filter or input channel, "
-            f"so there is nothing to remove. Export the finalized model of a PruneX run (--method prunex or "
-            f"prunex-flat with --sparsity filter:K / channel:K), i.e. after opt.finalize()")
+            f"{what} was not trained with structured sparsity: no conv has a whole zero filter or input channel "
+            f"and no linear a whole zero neuron or feature, so there is nothing to remove. Export the finalized "
+            f"model of a PruneX run (--method prunex or prunex-flat with --sparsity filter:K / channel:K / "
+            f"neuron:K / head:K), i.e. after opt.finalize()")
     return zeros
+
+
+def _drop_heads(model: nn.Module, tp) -> List[Dict[str, Any]]:
+    """Remove, in place, every attention head whose columns of the output projection are all zero: whatever
+    its query, key and value compute, it adds nothing to the output. Its q/k/v rows (and biases) and those
+    columns go (Torch-Pruning's ``prune_linear_out_channels`` / ``prune_linear_in_channels``) and the module's
+    ``num_heads`` drops; one head always stays. ``nn.MultiheadAttention`` ties its heads to its embedding width,
+    so it cannot lose one: reported as skipped."""
+    modules = dict(model.named_modules())
+    out = []
+    for group in attention_heads(model):
+        heads = group.num_heads
+        proj = modules[group.cols[0].rpartition(".")[0]]
+        d = proj.weight.shape[1] // heads
+        dead = [h for h in range(heads) if not bool(proj.weight.detach()[:, h * d:(h + 1) * d].any())]
+        dead = dead[:-1] if len(dead) == heads else dead
+        info: Dict[str, Any] = {"module": group.module, "heads": heads, "removed": len(dead), "skipped": None}
+        out.append(info)
+        if not dead:
+            continue
+        attn = modules[group.module]
+        if isinstance(attn, nn.MultiheadAttention):
+            info.update(removed=0, skipped="nn.MultiheadAttention ties num_heads × head_dim to its embedding "
+                                           "width: its zero heads stay")
+            continue
+        for name, blocks in group.rows:
+            rows = [(b * heads + h) * d + j for b in range(blocks) for h in dead for j in range(d)]
+            tp.prune_linear_out_channels(modules[name.rpartition(".")[0]], rows)
+        tp.prune_linear_in_channels(proj, [h * d + j for h in dead for j in range(d)])
+        attn.num_heads = heads - len(dead)
+    return out
 
 
 def count_params(model: nn.Module) -> Dict[str, int]:
@@ -96,8 +144,9 @@ def count_flops(model: nn.Module, example_input: torch.Tensor) -> int:
 
 # ----------------------------------------------------------------------------------------- the surgery
 
-def _members(group, DG, tp):
-    """Sort a Torch-Pruning group into writers, readers and others; ``None`` with a reason when unsupported."""
+def _members(group, DG, tp, attention=frozenset()):
+    """Sort a Torch-Pruning group into writers, readers and others; ``None`` with a reason when unsupported
+    (``attention``: the q/k/v and output projections of attention modules, whose channels go a head at a time)."""
     writers, readers, bns = [], [], []
     for item in group:
         dep, node = item.dep, item.dep.target
@@ -107,6 +156,8 @@ def _members(group, DG, tp):
             rmap.setdefault(int(r), []).append(int(i))
         if node.type == tp.ops.OPTYPE.OUTPUT:
             return None, "reaches the model output"
+        if mod in attention:
+            return None, f"{DG._module2name.get(mod)} is an attention projection: heads go whole, above"
         if isinstance(mod, (nn.Conv2d, nn.Linear)):
             if isinstance(mod, nn.Conv2d) and (mod.groups != 1 or mod.transposed):
                 return None, f"{DG._module2name.get(mod)} is a grouped or transposed conv"
@@ -127,8 +178,8 @@ def _live_in(mod: nn.Module) -> torch.Tensor:
 
 
 def _live_out(mod: nn.Module) -> torch.Tensor:
-    live = (mod.weight.detach() != 0).flatten(1).any(1)
-    return live | (mod.bias.detach() != 0) if mod.bias is not None else live
+    # a zero row with a bias writes a constant: dead, and the constant is read on real data before it folds
+    return (mod.weight.detach() != 0).flatten(1).any(1)
 
 
 def _foldable(mod: nn.Module) -> bool:
@@ -141,8 +192,10 @@ def _foldable(mod: nn.Module) -> bool:
 def _capture(model: nn.Module, wanted: Dict[nn.Module, List[int]], batches: Sequence[torch.Tensor]):
     """The input channels ``wanted[module]`` of each module, over ``batches``: ``{module: [tensor per batch]}``."""
     seen: Dict[nn.Module, List[torch.Tensor]] = {m: [] for m in wanted}
-    hooks = [m.register_forward_pre_hook(lambda mod, inp: seen[mod].append(inp[0][:, wanted[mod]].detach().clone()))
-             for m in wanted]
+    def keep(mod, inp):   # a conv's channels are dim 1; a linear's the last (tokens: (B, N, C))
+        x = inp[0].reshape(-1, inp[0].shape[-1]) if isinstance(mod, nn.Linear) else inp[0]
+        seen[mod].append(x[:, wanted[mod]].detach().clone())
+    hooks = [m.register_forward_pre_hook(keep) for m in wanted]
     try:
         with torch.inference_mode():
             for x in batches:
@@ -182,6 +235,10 @@ def slim(model: nn.Module, example_input: torch.Tensor, calibration: Optional[to
     gen = torch.Generator().manual_seed(seed)
     noise = torch.randn(calibration.shape, generator=gen, dtype=calibration.dtype) * 3   # a second, unlike batch
 
+    heads = _drop_heads(work, tp)   # first: Torch-Pruning's graph does not see heads, only their channels
+    modules = dict(work.named_modules())
+    attention = {modules[n.rpartition(".")[0]] for g in attention_heads(work) for n in g.members
+                 if n.rpartition(".")[2] == "weight"}   # the Linear projections (a packed in_proj is no module)
     with torch.enable_grad():   # Torch-Pruning traces through autograd
         DG = tp.DependencyGraph().build_dependency(work, example_inputs=example_input, verbose=False)
     names = DG._module2name
@@ -193,7 +250,7 @@ def slim(model: nn.Module, example_input: torch.Tensor, calibration: Optional[to
         n = len(group[0].idxs)
         info: Dict[str, Any] = {"root": names.get(root), "channels": n, "removed": 0, "unread": 0, "folded": 0,
                                 "zero_constant": 0, "kept_constant": 0, "skipped": None}
-        parts, why = _members(group, DG, tp)
+        parts, why = _members(group, DG, tp, attention)
         plans.append((group, info, parts))
         if parts is None:
             info["skipped"] = why
@@ -283,7 +340,9 @@ def slim(model: nn.Module, example_input: torch.Tensor, calibration: Optional[to
     report = {"groups": groups_info, "calibration_max_abs_diff": diff,
               **{k: sum(g[k] for g in groups_info) for k in
                  ("channels", "removed", "unread", "folded", "zero_constant", "kept_constant")},
-              "skipped_groups": sum(g["skipped"] is not None for g in groups_info)}
+              "skipped_groups": sum(g["skipped"] is not None for g in groups_info),
+              "attention": heads, "heads": sum(h["heads"] for h in heads),
+              "heads_removed": sum(h["removed"] for h in heads)}
     return work, report
 
 
@@ -488,7 +547,8 @@ def export_run(run_dir: str, out: Optional[str] = None, json_out: Optional[str] 
               "sparsity": summary.get("sparsity", blob.get("sparsity")), "coupled": config.get("coupled"),
               "dataset": dataset, "input_shape": list(shape), "out": os.path.abspath(out), "load_with": how,
               "equivalence": same, "reload_max_abs_diff": reload_diff, **sizes,
-              "flops_batch": 1, "removed": {k: v for k, v in removed.items() if k != "groups"},
+              "flops_batch": 1, "removed": {k: v for k, v in removed.items() if k not in ("groups", "attention")},
+              "attention": removed["attention"],
               "groups": removed["groups"]}
     if measure:
         report["latency"] = measure_latency({"masked": model, "slim": small}, shape, batch_sizes, repeats)
@@ -529,5 +589,7 @@ def format_report(report: Dict[str, Any]) -> str:
     lines.append(f"channels removed: {rm['removed']} of {rm['channels']} ({rm['unread']} unread, {rm['folded']} "
                  f"constant folded into the next layer's bias, {rm['zero_constant']} constant zero); "
                  f"{rm['kept_constant']} constant channels kept (a padded conv reads them)")
+    if rm.get("heads"):
+        lines.append(f"attention heads removed: {rm['heads_removed']} of {rm['heads']}")
     lines.append(f"saved {report['out']}: load with {report['load_with']}; report {report.get('json', '')}")
     return "\n".join(lines)
