@@ -4,8 +4,9 @@ prints JSON.
     python benchmarks/bench_export.py [--model resnet18] [--spec channel:0.5] [--repeats 10] [--threads 1]
     python benchmarks/bench_export.py --run runs/NAME          # a trained run's final model instead
 
-Without ``--run`` the conv weights of a freshly built model are projected exactly as the engine's
-``finalize()`` leaves them, per mask mode:
+Without ``--run`` the structured weights of a freshly built model are projected exactly as the engine's
+``finalize()`` leaves them (``--model vit_tiny --spec head:0.5+neuron:0.5 --modes per-layer,coupled`` for a
+transformer), per mask mode:
 
 * ``per-layer``: ``sparsity.project`` on each conv (``coupled=False``);
 * ``coupled``: ``sparsity.coupled_project`` along ``dependencies.channel_couplings`` (``coupled=True``);
@@ -15,7 +16,7 @@ Without ``--run`` the conv weights of a freshly built model are projected exactl
 The shapes that survive depend on the masks only (how many channels each layer keeps is fixed by the spec);
 which channels of a residual stream happen to line up across its readers depends on the weights, so a
 trained model can differ a little from these figures. BatchNorm gets trained-like statistics, which matters
-only where filters die (filter specs). Latency: the masked model and every slim model run interleaved in one
+only where filters die (filter specs), and so do linear biases. Latency: the masked model and every slim model run interleaved in one
 process, batch 1 and 64, median of ``--repeats``; ``ratio`` is slim / masked.
 """
 from __future__ import annotations
@@ -32,21 +33,27 @@ from benchjson import emit  # noqa: E402
 
 from prunex_hvd import sparsity  # noqa: E402
 from prunex_hvd.app import export, models  # noqa: E402
-from prunex_hvd.engine.dependencies import channel_couplings, channel_streams  # noqa: E402
+from prunex_hvd.engine.config import ConsensusConfig, Structure  # noqa: E402
+
+
+MODES = {"per-layer": False, "coupled": True, "streams": "streams"}
 
 
 def masked_model(name: str, spec: str, mode: str, seed: int) -> nn.Module:
+    """``name`` built and projected onto ``spec`` as ``finalize()`` leaves it, with ``coupled`` as ``mode`` says
+    (heads, for a transformer, are one group in every mode). Biases get trained-like values too: a pruned
+    neuron is then a constant GELU(b), not a zero."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: {', '.join(MODES)}")
     torch.manual_seed(seed)
     model = models.trained_like_batchnorm(models.build(name), seed).eval()
-    ws = {n: p for n, p in model.named_parameters() if p.dim() == 4}
-    specs = {n: sparsity.parse_spec(spec) for n in ws}
-    if mode == "per-layer":
-        new = {n: sparsity.project(w, specs[n]) for n, w in ws.items()}
-    elif mode in ("coupled", "streams"):
-        new = sparsity.coupled_project(ws, specs, channel_couplings(model),
-                                       channel_streams(model) if mode == "streams" else ())
-    else:
-        raise ValueError(f"unknown mode {mode!r}: per-layer, coupled or streams")
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                m.bias.normal_(0, 0.3)
+    structure = Structure.resolve(model, ConsensusConfig(sparsity=spec, coupled=MODES[mode]))
+    ws = {n: p for n, p in model.named_parameters() if n in structure.specs}
+    new = sparsity.coupled_project(ws, structure.specs, structure.couplings, structure.streams, structure.heads)
     with torch.no_grad():
         for n, w in new.items():
             ws[n].copy_(w)
@@ -62,7 +69,7 @@ def figures(masked: nn.Module, small: nn.Module, removed: dict, x1: torch.Tensor
             "zeros_removed_share": 1 - (s["params"] - s["params_nonzero"]) / zeros if zeros else 0.0,
             "flops_masked": export.count_flops(masked, x1), "flops_slim": export.count_flops(small, x1),
             "flops_ratio": export.count_flops(small, x1) / export.count_flops(masked, x1),
-            "removed": {k: v for k, v in removed.items() if k != "groups"}}
+            "removed": {k: v for k, v in removed.items() if k not in ("groups", "attention")}}
 
 
 def main(argv=None) -> int:

@@ -43,9 +43,10 @@ TASKS: Dict[str, dict] = {
     # the emulated cluster's task: ResNet-18 on digits at 8×8, two rounds an epoch (benchmarks/README.md)
     "digits8-r18": dict(args="--model resnet18 --dataset digits --image-size 8 --epochs 16 --batch-size 16 "
                              "--lr 0.05 --local-steps 11 --freeze-round 4", targets=(0.7, 0.8, 0.9)),
-    # beyond convs: the small ViT on the digits at 16×16 (16 patches of 4×4), heads and MLP neurons pruned
-    "digits-vit": dict(args="--model vit_tiny --dataset digits --image-size 16 --epochs 24 --batch-size 16 "
-                            "--lr 0.05 --local-epochs 1 --freeze-round 8", targets=(0.8, 0.9, 0.95)),
+    # beyond convs: the small ViT on the digits at 16×16 (16 patches of 4×4), heads and MLP neurons pruned; no
+    # augmentation (random shifts cost a ViT half its accuracy here: 42% against 86% after 10 epochs, one rank)
+    "digits-vit": dict(args="--model vit_tiny --dataset digits --image-size 16 --augment none --epochs 24 "
+                            "--batch-size 16 --lr 0.05 --local-epochs 1 --freeze-round 8", targets=(0.6, 0.7, 0.8)),
     # ResNet-18 on CIFAR-size generated data (the emulated cluster's model; minutes per run on 2 cores)
     "synthetic-r18": dict(args="--model resnet18 --dataset synthetic --image-size 32 --epochs 8 --batch-size 32 "
                                "--lr 0.05 --local-epochs 1 --freeze-round 3", targets=(0.5, 0.7, 0.8)),

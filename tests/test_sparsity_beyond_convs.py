@@ -253,3 +253,17 @@ def test_shrink_recover_head_and_neuron_masks(native, packed):
         assert torch.equal(recover(block, r, c, w.shape, plan=plan), apply_masks(w, rows, cols)), n
         full = torch.full_like(w, float("nan"))
         assert torch.equal(recover(block, r, c, w.shape, out=full, plan=plan), apply_masks(w, rows, cols)), n
+
+
+def test_torchvision_vit_b_16_has_its_heads_and_mlps_found():
+    try:
+        import torchvision  # noqa: F401
+    except Exception:   # not installed, or built for another torch: optional, GPU hosts only
+        pytest.skip("torchvision is an optional extra (GPU hosts)")
+    model = models.build("torchvision:vit_b_16")
+    targets = structure_targets(model)
+    assert len(targets.heads) == 12 and {g.num_heads for g in targets.heads} == {12}
+    assert all(g.rows[0][1] == 3 for g in targets.heads)   # nn.MultiheadAttention's packed in_proj_weight
+    assert len(targets.hidden) == 12                         # every encoder block's MLP
+    specs = resolve_specs(model.named_parameters(), "head:0.5+neuron:0.5", targets)
+    assert len(specs) == 12 * 3

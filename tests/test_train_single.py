@@ -65,6 +65,7 @@ def test_cifar10_from_the_pickle_layout(tmp_path, capsys):
     (["--batch-size", "4000"], "batch"),
     (["--method", "topk", "--coupled"], "--coupled is a PruneX option"),
     (["--method", "dense", "--coupled-streams"], "--coupled is a PruneX option"),
+    (["--sparsity", "head:0.5"], r"'head:K' needs attention modules"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, capsys, args, message):
     if args[:2] == ["--model", "torchvision:resnet18"]:
@@ -130,3 +131,36 @@ def test_coupled_streams_from_the_command_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:   # one or the other
         cli.main(BASE + ["--coupled", "--coupled-streams"])
     assert stop.value.code == 2 and "not allowed with argument --coupled" in capsys.readouterr().err
+
+
+def test_a_vit_with_heads_and_mlp_neurons_from_the_command_line(tmp_path, capsys, monkeypatch):
+    """--model vit_tiny --sparsity head:0.5+neuron:0.5 --coupled --augment none: half of every attention
+    module's heads and of every MLP's hidden units are zero in the final model, and export removes them."""
+    from prunex_hvd.app import data as data_module
+    from prunex_hvd.app import export
+
+    seen = []
+    real = data_module.ShardedLoader.__init__
+
+    def spy(self, data, *a, **k):   # the augmentation the training loader was handed
+        seen.append(data.augment)
+        real(self, data, *a, **k)
+    monkeypatch.setattr(data_module.ShardedLoader, "__init__", spy)
+    out = tmp_path / "vit"
+    rc = cli.main(["train", "--model", "vit_tiny", "--dataset", "digits", "--image-size", "8", "--augment", "none",
+                   "--sparsity", "head:0.5+neuron:0.5", "--coupled", "--batch-size", "32", "--epochs", "1",
+                   "--local-steps", "6", "--freeze-round", "1", "--threads", "1", "--no-progress", "--out", str(out)])
+    assert rc == 0, capsys.readouterr()
+    assert seen and set(seen) == {"none"}
+    state = torch.load(out / "final_model.pt")["state_dict"]
+    for b in range(4):
+        proj = state[f"blocks.{b}.attn.proj.weight"]
+        live_heads = [bool(proj[:, h * 32:(h + 1) * 32].any()) for h in range(4)]
+        assert sum(live_heads) == 2
+        for n in "qkv":
+            rows = state[f"blocks.{b}.attn.{n}.weight"].abs().sum(1).view(4, 32).sum(1) != 0
+            assert rows.tolist() == live_heads
+        hidden = state[f"blocks.{b}.mlp.fc1.weight"].abs().sum(1) != 0
+        assert int(hidden.sum()) == 128 and torch.equal(hidden, state[f"blocks.{b}.mlp.fc2.weight"].abs().sum(0) != 0)
+    report = export.export_run(str(out), measure=False, samples=64)
+    assert report["removed"]["heads_removed"] == 8 and report["ratio"]["params"] < 0.55

@@ -185,7 +185,7 @@ _ramp_rounds = _int_or(auto="auto")
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     from prunex_hvd.app import methods, models
-    from prunex_hvd.app.data import DATASETS
+    from prunex_hvd.app.data import AUGMENTS, DATASETS
     from prunex_hvd.app.train import TrainConfig as D
 
     g = p.add_argument_group("model and data")
@@ -194,6 +194,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="digits: embedded, no download; cifar10: needs --data-dir; synthetic: for benchmarks")
     g.add_argument("--data-dir", default=D.data_dir, help="folder holding cifar-10-batches-py/")
     g.add_argument("--image-size", type=int, default=None, help="input side in pixels (default: the model's)")
+    g.add_argument("--augment", default=None, choices=AUGMENTS,
+                   help="train-time augmentation (default: the dataset's: shift for digits, cifar for cifar10; a ViT "
+                        "on the digits learns far better without: none)")
     g = schedule = p.add_argument_group("schedule")
     g.add_argument("--method", default=D.method, choices=list(methods.METHODS))
     g.add_argument("--epochs", type=float, default=D.epochs)

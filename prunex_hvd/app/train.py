@@ -33,7 +33,7 @@ from ..dist import runtime
 from ..dist.agreement import call_agreed
 from ..engine.config import ConsensusConfig
 from . import checkpoint, methods, models
-from .data import ShardedLoader, load_dataset
+from .data import AUGMENTS, ShardedLoader, load_dataset
 
 
 # The trainer's recipe, chosen by measurement on three tasks (benchmarks/README.md, "Accuracy per epoch"):
@@ -65,6 +65,7 @@ class TrainConfig:
     dataset: str = "cifar10"
     data_dir: Optional[str] = None
     image_size: Optional[int] = None
+    augment: Optional[str] = None              # train-time augmentation: cifar | shift | none (None: the dataset's)
     method: str = "prunex"
     consensus: ConsensusConfig = field(default_factory=lambda: RECIPE)
     epochs: float = 10
@@ -156,6 +157,9 @@ class TrainConfig:
         for name in ("batch_size", "test_batch_size", "eval_every"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.augment is not None and self.augment not in AUGMENTS:
+            raise ValueError(f"augment must be one of {', '.join(AUGMENTS)} (or None: the dataset's), got "
+                             f"{self.augment!r}")
         if self.lr_schedule not in ("cosine", "constant"):
             raise ValueError(f"lr_schedule must be 'cosine' or 'constant', got {self.lr_schedule!r}")
         if self.momentum < 0 or self.weight_decay < 0 or self.warmup_epochs < 0:
@@ -275,6 +279,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
 
     data = call_agreed(control, load_dataset, cfg.dataset, data_dir=cfg.data_dir,
                    image_size=cfg.image_size or models.default_image_size(cfg.model), seed=cfg.seed)
+    if cfg.augment is not None:
+        data.augment = cfg.augment
     torch.manual_seed(cfg.seed)
     model = call_agreed(control, models.build, cfg.model, num_classes=data.num_classes, in_channels=data.in_channels)
     model.to(device)

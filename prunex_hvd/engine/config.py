@@ -132,7 +132,10 @@ class ConsensusConfig:
       88.06%, one seed): raise it on noisy tasks, lower it where the rounds' progress should pass through.
     * ``sparsity`` — the structure to keep: ``"filter:K"``, ``"channel:K"``, ``"shape:K"`` (K = fraction KEPT),
       joined with ``"+"`` (applied filter → channel → shape), or ``{name_glob: spec}`` per layer (``"dense"``
-      excludes a layer). Only conv weights (4-D) are structured; the rest joins the consensus densely.
+      excludes a layer). Conv weights take those; a transformer's linear layers take ``"head:K"`` (an
+      attention module's heads, its q/k/v rows and output-projection columns as one group) and ``"neuron:K"``
+      (an MLP's hidden units, fc1's rows; with ``coupled`` fc2's columns too), e.g. ``"head:0.5+neuron:0.5"``
+      on a ViT, or ``"feature:K"`` (input columns) by glob; the rest joins the consensus densely.
       Inter-node traffic shrinks with the kept fraction. A ``ConvTranspose2d`` must be left dense, and a
       grouped conv may only lose output filters (``filter:K``): the error names the layer and the dict to
       write. A stage that can remove nothing from a layer (``channel:K`` on a 1-channel stem or a depthwise
@@ -161,8 +164,8 @@ class ConsensusConfig:
 
     Frozen: change a copy with :func:`dataclasses.replace`, which validates again.
     """
-    sparsity: Any = _knob("channel:0.5", "channel:0.5, filter:0.5+channel:0.5, or JSON {glob: spec}; the number "
-                                         "is the KEPT fraction")
+    sparsity: Any = _knob("channel:0.5", "channel:0.5, filter:0.5+channel:0.5, head:0.5+neuron:0.5 (a ViT), or "
+                                         "JSON {glob: spec}; the number is the KEPT fraction")
     local_steps: int = _knob(100, "wrapped steps between consensus rounds")
     rho1: float = _knob(1.5e-3, "pull of each rank toward its node's consensus z_i", agree="rho")
     rho2: float = _knob(1.5e-4, "pull of each node toward the global consensus z", agree="rho")
