@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+import engine_cases as cases
 from engine_cases import CHANNEL, MIXED, MIXED_SPARSITY, PAIR, RESIDUAL, RESIDUAL_PAIR, STREAM, check_results
 from launching import horovodrun, mpirun, needs_horovod, needs_mpirun, python_cmd, run, torchrun, worker_results
 
@@ -43,6 +44,19 @@ def test_engine_mpirun_node_sync(tmp_path):
     proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "mpi", "--node-sync", "--out", str(tmp_path)),
                       ["PRUNEX_RANKS_PER_NODE=2"]))
     check(proc, tmp_path, CHANNEL)
+
+
+@needs_mpirun
+@pytest.mark.parametrize("backend,model,payload", [("gloo", "vit", "bf16"), ("mpi", "mha", "fp32")])
+def test_engine_mpirun_attention_heads_and_mlp_neurons(tmp_path, backend, model, payload):
+    """Beyond convs under a real launch: a ViT block (separate q/k/v) and nn.MultiheadAttention (packed), half
+    the heads and half of each MLP's hidden units (coupled), every round against the reference."""
+    extra = ["--payload-dtype", payload] if payload != "fp32" else []
+    proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", backend, "--model", model, "--sparsity",
+                                    "head:0.5+neuron:0.5", "--coupled", *extra, "--out", str(tmp_path)),
+                      ["PRUNEX_RANKS_PER_NODE=2"]))
+    specs, pairs = (cases.VIT_COUPLED, cases.VIT_PAIR) if model == "vit" else (cases.MHA_COUPLED, cases.MHA_PAIR)
+    check(proc, tmp_path, specs, couplings=pairs, payload_bytes=2 if payload != "fp32" else 4)
 
 
 @needs_mpirun

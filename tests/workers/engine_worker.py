@@ -28,7 +28,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--coupled", action="store_true")
     ap.add_argument("--coupled-streams", dest="coupled", action="store_const", const="streams")
-    ap.add_argument("--model", default="chain", choices=("chain", "residual"))
+    ap.add_argument("--model", default="chain", choices=("chain", "residual", "vit", "mha"))
     ap.add_argument("--node-sync", action="store_true", help="the node's ranks average gradients every step")
     ap.add_argument("--payload-dtype", default=None, choices=("bf16", "fp16"),
                     help="the inter-node exchange's payload: the rounded change since z, with error feedback")
