@@ -202,6 +202,18 @@ def test_density_is_the_product_of_the_specs_keep_ratios(single_process, spec, w
             assert torch.equal(p.detach(), fresh[name].detach()), name   # other params untouched
 
 
+def test_on_a_vit_it_prunes_the_layers_prunex_would(single_process):
+    """The same density comparison on a transformer: head:0.5 holds q/k/v/proj, neuron:0.5 the MLPs' fc1."""
+    from prunex_hvd.app import models
+    torch.manual_seed(0)
+    model = models.build("vit_tiny", num_classes=10, in_channels=1)
+    opt = pactrain.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                        sparsity="head:0.5+neuron:0.5")
+    want = {f"blocks.{b}.{n}.weight": 0.5 for b in range(4) for n in ("attn.q", "attn.k", "attn.v", "attn.proj",
+                                                                       "mlp.fc1")}
+    assert opt.layer_density() == pytest.approx(want)
+
+
 def test_grasp_masks_from_the_single_rank_scores(single_process):
     x, y = task(n=16, seed=3)
     ref_model = toy_cnn()

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..dist import agreement, runtime
+from ..engine.dependencies import structure_targets
 from ..engine.sparsity import keep_count, resolve_specs
 from .common import MethodOptimizer, broadcast_model, check_wrapping, flat_layout, mix_into
 
@@ -393,7 +394,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         if len({(p.dtype, p.device) for p in held}) > 1:
             raise ValueError("PacTrain packs gradients into flat buffers: the optimizer's parameters must share one "
                              f"dtype and device, got {sorted({(str(p.dtype), str(p.device)) for p in held})}")
-        specs = resolve_specs(model.named_parameters(), sparsity)
+        # the same layers PruneX's spec would hold (heads, MLP neurons too), each pruned unstructured at its keep
+        specs = resolve_specs(model.named_parameters(), sparsity, structure_targets(model))
         held_ids = {id(p) for p in held}
         named = dict(model.named_parameters())
         outside = [n for n in specs if id(named[n]) not in held_ids]
