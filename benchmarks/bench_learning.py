@@ -118,6 +118,7 @@ VARIANTS: Dict[str, str] = {
     "prunex-heads": "--method prunex --sparsity head:0.5",
     "prunex-neurons": "--method prunex --sparsity neuron:0.5 --coupled",
     "prunex-vit": "--method prunex --sparsity head:0.5+neuron:0.5 --coupled",
+    "pactrain-vit": "--method pactrain --sparsity head:0.5+neuron:0.5",   # the same layers, unstructured
 }
 
 
