@@ -24,20 +24,26 @@ index sets are the only metadata a receiver needs.
     block = shrink(conv.weight, r, c)                 # (len(r), len(c)), contiguous
     w = recover(block, r, c, conv.weight.shape)       # == project(conv.weight, spec)
 
+A linear weight ``(out, in)`` is its own GEMM matrix: ``neuron:K`` keeps ``ceil(K*out)`` rows, ``feature:K``
+``ceil(K*in)`` input columns. ``head:K`` keeps ``ceil(K*H)`` of an attention module's ``H`` heads, a head being its
+rows of every q/k/v projection and its columns of the output projection, ranked together (:func:`head_masks`).
+Either way each weight's support is still two masks, one over rows and one over columns.
+
 Modules: :mod:`.spec` (parsing and checking specs), :mod:`.projection` (the masks, alone or coupled across
 layers), :mod:`.packing` (shrink / recover, with the native CPU kernel in :mod:`.native`). Pure tensor
 functions, no communication; CPU and CUDA alike. Everything public is re-exported here.
 """
 from .packing import (GatherPlan, KernelPlan, Plan, gather_plan, recover, recover_gather, shrink,
                       shrink_into)
-from .projection import (apply_masks, coupled_masks, coupled_project, density, gemm_view, head_masks,
-                         head_scores, masks_to_indices, project, read_channels, square_f32, stream_channels, stream_keep,
+from .projection import (apply_masks, coupled_masks, coupled_project, density, gemm_view, head_masks, head_scores,
+                         masks_to_indices, project, read_channels, square_f32, stream_channels, stream_keep,
                          structured_masks)
-from .spec import (CONV_KINDS, DENSE, HEAD_KINDS, KINDS, LINEAR_KINDS, StructureSpec, Targets, check_layer_types, keep_count, loosened, parse_spec,
-                   ramp_extra, resolve_specs, stages_removing_nothing)
+from .spec import (CONV_KINDS, DENSE, HEAD_KINDS, KINDS, LINEAR_KINDS, StructureSpec, Targets, check_layer_types,
+                   keep_count, loosened, parse_spec, ramp_extra, resolve_specs, stages_removing_nothing)
 
-__all__ = ["CONV_KINDS", "DENSE", "HEAD_KINDS", "KINDS", "LINEAR_KINDS", "Targets", "head_masks", "head_scores", "GatherPlan", "KernelPlan", "Plan", "StructureSpec", "apply_masks", "check_layer_types",
-           "coupled_masks", "coupled_project", "density", "gather_plan", "gemm_view", "keep_count", "loosened", "masks_to_indices",
-           "parse_spec", "ramp_extra", "project", "read_channels", "recover", "recover_gather", "resolve_specs", "shrink",
-           "shrink_into", "square_f32", "stages_removing_nothing", "stream_channels", "stream_keep",
-           "structured_masks"]
+__all__ = ["CONV_KINDS", "DENSE", "HEAD_KINDS", "KINDS", "LINEAR_KINDS", "GatherPlan", "KernelPlan", "Plan",
+           "StructureSpec", "Targets", "apply_masks", "check_layer_types", "coupled_masks", "coupled_project",
+           "density", "gather_plan", "gemm_view", "head_masks", "head_scores", "keep_count", "loosened",
+           "masks_to_indices", "parse_spec", "ramp_extra", "project", "read_channels", "recover", "recover_gather",
+           "resolve_specs", "shrink", "shrink_into", "square_f32", "stages_removing_nothing", "stream_channels",
+           "stream_keep", "structured_masks"]
