@@ -229,7 +229,7 @@ def test_coupled_makes_each_mlp_one_group_of_hidden_units():
     assert str(structure.specs["blocks.2.mlp.fc2.weight"]) == "feature:0.5"   # the reader's side of the group
     assert [g.module for g in structure.heads] == [f"blocks.{i}.attn" for i in range(4)]
     alone = Structure.resolve(vit, ConsensusConfig(sparsity="neuron:0.5"))
-    assert "blocks.2.mlp.fc2.weight" not in alone.specs and alone.heads == []
+    assert "blocks.2.mlp.fc2.weight" not in alone.specs and alone.heads == ()
 
 
 # ------------------------------------------------------------------------------------ shrink / recover

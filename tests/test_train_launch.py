@@ -81,6 +81,25 @@ def test_resume_equals_uninterrupted(full_run, tmp_path):
     assert_same_run(ref, out)
 
 
+def test_a_vit_with_heads_and_neurons_resumes_bit_for_bit(tmp_path):
+    """A ViT's head and hidden-unit masks, sliced at round 4 (after they froze at round 3) and resumed, end where
+    an uninterrupted run ends; half of every module's heads are gone in the final model."""
+    vit = ["--model", "vit_tiny", "--sparsity", "head:0.5+neuron:0.5", "--coupled", "--augment", "none"]
+    ref = tmp_path / "ref"
+    done = train(ref, *vit, "--checkpoint-every", "0")
+    assert done.returncode == 0, done.stdout[-4000:]
+    out = tmp_path / "sliced"
+    first = train(out, *vit, "--stop-after-rounds", "4")
+    assert first.returncode == 0 and "stopped after round 4" in first.stdout, first.stdout[-4000:]
+    again = train(out, *vit, "--resume")
+    assert again.returncode == 0, again.stdout[-4000:]
+    assert_same_run(ref, out)
+    state = torch.load(out / "final_model.pt")["state_dict"]
+    for b in range(4):
+        proj = state[f"blocks.{b}.attn.proj.weight"]
+        assert sum(bool(proj[:, h * 32:(h + 1) * 32].any()) for h in range(4)) == 2
+
+
 @pytest.mark.parametrize("fold,when", [(None, "--no-overlap-after-freeze"), ("7", "--no-overlap-after-freeze"),
                                        ("7", "--overlap-after-freeze")],
                          ids=["fold-after-a-quarter", "fold-at-the-next-round", "after-freeze-fold-at-the-next-round"])

@@ -308,7 +308,7 @@ class Structure(NamedTuple):
     specs: Dict[str, StructureSpec]
     couplings: Dict[str, str]
     streams: list
-    heads: list = []
+    heads: tuple = ()
 
     @classmethod
     def resolve(cls, model: torch.nn.Module, config: ConsensusConfig) -> "Structure":
@@ -319,7 +319,7 @@ class Structure(NamedTuple):
         specs = resolve_specs(model.named_parameters(), config.sparsity, targets)
         check_layer_types(model, specs, config.sparsity)   # before anything uses specs
         couplings, streams = _couplings(model, specs, config.coupled) if config.coupled else ({}, [])
-        heads = [g for g in targets.heads if g.members[0] in specs]
+        heads = tuple(g for g in targets.heads if g.members[0] in specs)
         return cls(specs, couplings, streams, heads)
 
 
