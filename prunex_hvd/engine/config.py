@@ -153,7 +153,10 @@ class ConsensusConfig:
       conv reading it (input channel c) and writing into it (filter c) shares one channel set, keep ratio from
       the readers' ``channel:K`` (they must agree), so export can remove the whole pruned fraction. A stream
       with a reader or writer other than a plain conv (``groups=1``), e.g. the last one read by the linear
-      head, keeps per-layer masks. Needs a ``torch.fx``-traceable model.
+      head, keeps per-layer masks. On a transformer ``coupled`` makes each MLP hidden unit one group (fc1's
+      row j with fc2's column j, from ``neuron:K``): export then removes them without folding constants, and
+      ``neuron:0.5`` lost nothing against a dense consensus on the digits ViT (benchmarks/README.md, "Beyond
+      convs"). Needs a ``torch.fx``-traceable model.
     * ``weight_decay_z`` — λ of the z-step (a ridge on the consensus itself); 0 leaves decay to the optimizer.
     * ``bucket_mb`` — size of the flat buffers packed for each collective (one collective per bucket).
     * ``backend`` — the transport: ``auto`` (nccl for CUDA tensors, mpi under MPI, gloo otherwise), ``mpi``,
