@@ -71,6 +71,7 @@ VARIANTS: Dict[str, str] = {
     "localsgd-hier": "--method localsgd-hier",
     "diloco": "--method diloco",
     "pactrain": "--method pactrain --sparsity channel:0.5",
+    "pactrain-structured": "--method pactrain --sparsity channel:0.5 --pactrain-structure structured",
     "prunex-plain": prunex(),
     "prunex-dense-plain": prunex("dense"),
     "prunex-restart": prunex(levers="--restart global"),

@@ -214,6 +214,60 @@ def test_on_a_vit_it_prunes_the_layers_prunex_would(single_process):
     assert opt.layer_density() == pytest.approx(want)
 
 
+def _channel_mask_by_hand(w, keep):
+    """Independent of the projection code: keep ceil(keep·C_in) input channels of largest ‖W[:, c]‖ (ties: lowest
+    index), every output filter, as a weight-shaped bool mask."""
+    norms = w.detach().double().square().sum((0, 2, 3))
+    k = math.ceil(keep * w.shape[1])
+    kept = sorted(range(w.shape[1]), key=lambda c: (-float(norms[c]), c))[:k]
+    mask = torch.zeros_like(w, dtype=torch.bool)
+    mask[:, kept] = True
+    return mask
+
+
+def test_structured_masks_are_prunex_channels_at_init_and_stay(single_process):
+    fresh = dict(toy_cnn().named_parameters())
+    model, opt = make(structure="structured")
+    for name in ("0.weight", "3.weight"):
+        want = _channel_mask_by_hand(fresh[name], 0.5)
+        assert torch.equal(opt._masks[name], want), name
+        assert torch.equal(model.get_parameter(name).detach() != 0, want), name   # pruned at once, kept ones as they were
+    assert opt.layer_density() == {"0.weight": pytest.approx(2 / 3), "3.weight": 0.5}   # ceil(0.5·3) of 3 channels
+    losses = train(model, opt, 60)
+    assert sum(losses[-8:]) / 8 < 0.7 * sum(losses[:8]) / 8, losses
+    for name in ("0.weight", "3.weight"):   # whole input channels, still exactly zero after training
+        w = model.get_parameter(name).detach()
+        dropped = ~opt._masks[name][0, :, 0, 0]
+        assert torch.all(w[:, dropped] == 0) and torch.all(opt._masks[name][:, ~dropped]), name
+
+
+def test_structured_coupled_drops_the_producers_filters_with_the_consumers_channels(single_process):
+    model, opt = make(structure="structured", coupled=True)
+    read = opt._masks["3.weight"][0, :, 0, 0]           # the 8 channels conv 3 reads
+    assert int(read.sum()) == 4
+    assert torch.equal(opt._masks["0.weight"][:, 0, 0, 0], read)   # conv 0 keeps exactly those filters
+    assert not opt._masks["0.weight"][~read].any()                  # the others whole gone
+    assert opt.layer_density() == {"0.weight": pytest.approx(4 / 8 * 2 / 3), "3.weight": 0.5}
+
+
+def test_structured_heads_on_a_vit_are_prunex_heads(single_process):
+    from prunex_hvd.app import models
+    from prunex_hvd.engine.config import ConsensusConfig, Structure
+    from prunex_hvd.engine.sparsity.projection import coupled_masks
+    torch.manual_seed(0)
+    model = models.build("vit_tiny", num_classes=10, in_channels=1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = pactrain.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                        sparsity="head:0.5", structure="structured")
+    structure = Structure.resolve(model, ConsensusConfig(sparsity="head:0.5"))
+    support = coupled_masks(before, structure.specs, {}, (), structure.heads)
+    assert set(opt._masks) == set(support) and len(support) == 16
+    for name, (rows, cols) in support.items():
+        assert torch.equal(opt._masks[name], rows[:, None] & cols[None, :]), name
+    q = opt._masks["blocks.0.attn.q.weight"]
+    assert int(q.all(1).sum()) == 64 and int(q.any(1).sum()) == 64   # 2 of 4 heads of 32 rows, whole rows
+
+
 def test_grasp_masks_from_the_single_rank_scores(single_process):
     x, y = task(n=16, seed=3)
     ref_model = toy_cnn()
@@ -238,6 +292,11 @@ def test_methods_registry_builds_pactrain(single_process):
     train(model, opt, 3)
     s = opt.stats()
     assert set(methods.STATS_KEYS) <= set(s) and s["terngrad"] and s["mask_stable"]
+    structured = TrainConfig.from_flat(sparsity="channel:0.5", coupled=True, pactrain_structure="structured")
+    model = toy_cnn()
+    opt = methods.wrap("pactrain", torch.optim.SGD(model.parameters(), lr=0.05), model, structured,
+                       sample_batch=lambda: task(n=8))
+    assert torch.equal(opt._masks["0.weight"][:, 0, 0, 0], opt._masks["3.weight"][0, :, 0, 0])   # coupled reached it
 
 
 def test_state_dict_resume_is_bit_exact(single_process):
@@ -281,6 +340,10 @@ def test_bad_state_is_refused(single_process):
     ({"bucket_mb": 0}, "bucket_mb must be a finite number > 0"),
     ({"sparsity": "channel:1.5"}, r"keep ratio must be in \(0, 1\]"),
     ({"sparsity": {"6.weight": "channel:0.5"}}, "not a conv weight"),
+    ({"structure": "blocks"}, "structure must be one of unstructured, structured"),
+    ({"structure": "structured", "score": "grasp", "grasp_batch": (torch.zeros(2, 3, 6, 6), torch.zeros(2).long())},
+     "use score='magnitude'"),
+    ({"coupled": True}, "needs structure='structured'"),
 ])
 def test_bad_arguments_are_clear_value_errors(single_process, kw, message):
     with pytest.raises(ValueError, match=message):

@@ -87,7 +87,9 @@ def _pactrain(optimizer, model, cfg, sample_batch):
     return pactrain.DistributedOptimizer(optimizer, model, sparsity=c.sparsity, score=cfg.pactrain_score,
                                          patience=cfg.pactrain_patience, terngrad=cfg.terngrad,
                                          bucket_mb=c.bucket_mb, backend=c.backend, seed=cfg.seed,
-                                         grasp_batch=sample_batch() if cfg.pactrain_score == "grasp" else None)
+                                         grasp_batch=sample_batch() if cfg.pactrain_score == "grasp" else None,
+                                         structure=cfg.pactrain_structure,
+                                         coupled=c.coupled if cfg.pactrain_structure == "structured" else False)
 
 
 def _localsgd(optimizer, model, cfg, sample_batch):

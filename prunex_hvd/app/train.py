@@ -86,6 +86,7 @@ class TrainConfig:
     topk_warmup_steps: int = 0                 # topk: dense steps first
     pactrain_score: str = "magnitude"          # pactrain: magnitude | grasp
     pactrain_patience: int = 3                 # pactrain: steps the mask must hold before compact allreduce
+    pactrain_structure: str = "unstructured"   # pactrain: unstructured (the paper) | structured (PruneX's masks)
     terngrad: bool = False                     # pactrain: ternary gradients with a shared scale
     hier_intra_steps: Optional[int] = None     # localsgd-hier: steps between node averages (divides the round)
     diloco_outer_lr: float = 0.7               # diloco: the outer Nesterov SGD's lr and momentum (the paper's)

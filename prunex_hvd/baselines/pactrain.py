@@ -28,6 +28,12 @@ Tuning (what each knob does to speed and accuracy):
   BN, biases and the classifier travel dense, so the bytes saved are bounded by the conv share of the
   model. The paper reports < 2% accuracy loss up to 80% pruned (keep >= 0.2) when fine-tuning a
   pre-trained model; from scratch, keep more (0.5) or train longer.
+* ``structure`` — ``"unstructured"`` (the paper's PacTrain: single weights) or ``"structured"``: the mask is
+  the support of PruneX's own projection at the initial weights (whole input channels, filters, heads or MLP
+  units, ``coupled`` as in PruneX), fixed for the run. Same density and the same kind of structure as PruneX,
+  so it separates what the structure costs from what the consensus costs. Measured (digits and ResNet-18 at
+  ``channel:0.5``, 5 seeds, benchmarks/README "PacTrain with PruneX's structure"): see the table there; a
+  random-at-init channel mask is a narrower network trained data-parallel every step.
 * ``score`` — ``magnitude`` needs no data and is what the paper's Fig. 2 describes; ``grasp`` keeps the
   weights whose removal would hurt the gradient flow most (better at init, where magnitudes carry little
   information) and needs ``grasp_batch`` (one batch per rank; a double backward, once).
@@ -57,10 +63,13 @@ from torch import Tensor
 
 from ..dist import agreement, runtime
 from ..engine.dependencies import structure_targets
+from ..engine.config import ConsensusConfig, Structure
 from ..engine.sparsity import keep_count, resolve_specs
+from ..engine.sparsity.projection import coupled_masks
 from .common import MethodOptimizer, broadcast_model, check_wrapping, flat_layout, mix_into
 
 SCORES = ("magnitude", "grasp")
+STRUCTURES = ("unstructured", "structured")
 
 
 # --------------------------------------------------------------------------------------------- masks
@@ -82,6 +91,13 @@ def magnitude_masks(params: Dict[str, Tensor], keep: Dict[str, float]) -> Dict[s
     """Per layer, keep the ``ceil(keep·numel)`` entries of largest ``|w|`` (ties: lowest index)."""
     return {name: _select(params[name].detach().abs(), keep_count(keep[name], params[name].numel()), largest=True)
             for name in keep}
+
+
+def projection_masks(params: Dict[str, Tensor], structure) -> Dict[str, Tensor]:
+    """Weight-shaped bool masks: the support ``rows ⊗ cols`` of PruneX's projection at ``params``
+    (``structure``: a :class:`~prunex_hvd.engine.config.Structure`, its specs, couplings, streams and heads)."""
+    support = coupled_masks(params, structure.specs, structure.couplings, structure.streams, structure.heads)
+    return {name: (rows[:, None] & cols[None, :]).reshape(params[name].shape) for name, (rows, cols) in support.items()}
 
 
 def grasp_scores(model: torch.nn.Module, loss_fn: Callable, x: Tensor, y: Tensor,
@@ -368,17 +384,26 @@ class _PacTrain(MethodOptimizer):
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, sparsity="channel:0.5",
                          score: str = "magnitude", patience: int = 3, terngrad: bool = False,
                          bucket_mb: float = 32, backend: Optional[str] = None, seed: int = 0,
-                         grasp_batch=None):
+                         grasp_batch=None, structure: str = "unstructured", coupled=False):
     """Wrap ``optimizer`` (over ``model``'s parameters) to train with PacTrain; see the module docstring.
 
     Collective: every rank constructs it; rank 0's parameters and float buffers are broadcast to all, the
     model is pruned in place (GraSP: ``grasp_batch = (x, y)``, this rank's batch; scores are summed over the
-    world, one-time traffic tagged ``setup`` and not counted as the method's). Returns an instance of the
+    world, one-time traffic tagged ``setup`` and not counted as the method's; ``structure="structured"``:
+    PruneX's projection, with ``coupled`` as PruneX takes it). Returns an instance of the
     optimizer's own class with ``stats()``, ``density()``, ``finalize()`` and a resumable ``state_dict()``."""
     def checks():
         held = check_wrapping(optimizer, model, bucket_mb)
         if score not in SCORES:
             raise ValueError(f"score must be one of {', '.join(SCORES)}, got {score!r}")
+        if structure not in STRUCTURES:
+            raise ValueError(f"structure must be one of {', '.join(STRUCTURES)}, got {structure!r}")
+        if structure == "structured" and score != "magnitude":
+            raise ValueError("structure='structured' keeps whole channels, filters or heads by their L2 norm (PruneX's "
+                             "projection); GraSP scores single weights: use score='magnitude'")
+        if structure == "unstructured" and coupled:
+            raise ValueError("coupled ties channels across layers: it needs structure='structured' (single weights "
+                             "have no channels to tie)")
         if score == "grasp":
             if grasp_batch is None:
                 raise ValueError("score='grasp' needs grasp_batch=(x, y): one training batch of this rank")
@@ -402,10 +427,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         if outside:
             raise ValueError(f"sparsity prunes {outside[0]!r}, which the optimizer does not train")
         keep = {name: _keep_fraction(spec) for name, spec in specs.items()}
-        return (held, specs, keep), {"sparsity": {n: str(v) for n, v in specs.items()}, "score": score,
-                                     "patience": patience, "seed": seed, "terngrad": terngrad,
-                                     "bucket_mb": bucket_mb}
-    held, specs, keep = agreement.checked_construction("the PacTrain optimizer", backend, model, checks)
+        resolved = Structure.resolve(model, ConsensusConfig(sparsity=sparsity, coupled=coupled)) \
+            if structure == "structured" else None
+        return (held, specs, keep, resolved), {"sparsity": {n: str(v) for n, v in specs.items()}, "score": score,
+                                               "patience": patience, "seed": seed, "terngrad": terngrad,
+                                               "bucket_mb": bucket_mb, "structure": structure,
+                                               "coupled": None if resolved is None else
+                                               (resolved.couplings, [list(map(list, s)) for s in resolved.streams])}
+    held, specs, keep, resolved = agreement.checked_construction("the PacTrain optimizer", backend, model, checks)
     named = dict(model.named_parameters())
 
     from ..dist.comm import groups as comm_groups
@@ -415,7 +444,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
                          f"this job has {world.size}")
     broadcast_model(model, world)
 
-    if score == "magnitude":
+    if resolved is not None:   # every rank holds rank 0's weights now: the same masks without talking
+        masks = projection_masks({n: named[n].detach() for n in resolved.specs}, resolved)
+    elif score == "magnitude":
         masks = magnitude_masks({n: named[n] for n in keep}, keep)
     else:
         masks = _grasp_world_masks(model, world, grasp_batch, keep, bucket_mb)
