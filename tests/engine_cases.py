@@ -81,9 +81,11 @@ def make_model(kind="chain", rank=0):
     torch.manual_seed(1234)
     if kind == "residual":
         model = Residual()
-    elif kind == "vit":
+    elif kind in ("vit", "vit-even"):
         from prunex_hvd.app.models.vit import VisionTransformer
         model = VisionTransformer(num_classes=5, patch=2, dim=8, depth=1, num_heads=4, max_image_size=6)
+        if kind == "vit-even":
+            even_groups(model.blocks[0])
     elif kind == "mha":
         model = MhaNet()
     else:
@@ -96,6 +98,21 @@ def make_model(kind="chain", rank=0):
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g))
     return model
+
+
+@torch.no_grad()
+def even_groups(block, heads=4):
+    """Every head (its rows of q/k/v and columns of proj) and every MLP hidden unit (fc1 row, fc2 column) scaled
+    to the same norm: the nodes' few steps, on their own data, then decide which are kept, and they disagree."""
+    def even(w, dim, groups):
+        parts = w.view(groups, -1, w.shape[1]) if dim == 0 else w.view(w.shape[0], groups, -1)
+        norms = parts.square().sum((1, 2) if dim == 0 else (0, 2)).sqrt()
+        parts.mul_((norms.mean() / norms).view((-1, 1, 1) if dim == 0 else (1, -1, 1)))
+    for name in ("q", "k", "v"):
+        even(getattr(block.attn, name).weight, 0, heads)
+    even(block.attn.proj.weight, 1, heads)
+    even(block.mlp.fc1.weight, 0, block.mlp.fc1.weight.shape[0])
+    even(block.mlp.fc2.weight, 1, block.mlp.fc2.weight.shape[1])
 
 
 def sgd(model):
@@ -291,7 +308,11 @@ def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buff
                             want[key][name][rack_of[node]] if rack_leader else torch.zeros_like(ef),
                             ulp=want["ulp"][name if key == "ef_spine" else "buffer " + name])
     return {"frozen_before": before[0]["frozen"],
-            "compact": {n: [int(r.sum()), int(c.sum())] for n, (r, c) in want["sent_masks"].items()}}
+            "compact": {n: [int(r.sum()), int(c.sum())] for n, (r, c) in want["sent_masks"].items()},
+            # the layers whose nodes chose different masks this round: the OR had work to do
+            "nodes_differ": sorted(n for n, masks in want["node_masks"].items()
+                                   if any(not (torch.equal(m[0], masks[0][0]) and torch.equal(m[1], masks[0][1]))
+                                          for m in masks))}
 
 
 def theta_of(model):

@@ -213,7 +213,7 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
     assert not racks or relaxation == 1.0
     frozen = states[0]["frozen"]
     out = {"u": [{} for _ in states], "z_i": [{} for _ in range(M)], "v": [{} for _ in range(M)], "z": {},
-           "rho1": {}, "rho2": {}, "masks": {}, "sent_masks": {}, "buffers": {}, "residuals": {}, "ef": {},
+           "rho1": {}, "rho2": {}, "masks": {}, "sent_masks": {}, "node_masks": {}, "buffers": {}, "residuals": {}, "ef": {},
            "buffer_ef": {}, "ulp": {}, "w": [{} for _ in racks or ()], "t": [{} for _ in racks or ()], "rho3": {},
            "ef_spine": {}, "buffer_ef_spine": {}}
     d = lambda t: t.double()  # noqa: E731
@@ -249,6 +249,7 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             rows = torch.stack([m[0] for m in node_masks]).any(0)
             cols = torch.stack([m[1] for m in node_masks]).any(0)
             out["masks"][name] = out["sent_masks"][name] = (rows, cols)
+            out["node_masks"][name] = node_masks   # each node's own, before the OR
             support = torch.outer(rows, cols).reshape(z_old.shape).double()
         v = [d(states[ranks[0]]["v"][name]) for ranks in node_ranks]
         relaxed_z_i = [alpha * z_i[i] + (1 - alpha) * z_old for i in range(M)]

@@ -29,11 +29,13 @@ CASES = {"channel": ("chain", "channel:0.5", False, cases.CHANNEL, None, ()),
          # beyond convs: heads (separate q/k/v; packed in_proj) and MLP hidden units, alone or coupled
          "vit": ("vit", "head:0.5+neuron:0.5", False, cases.VIT, None, ()),
          "vit-coupled": ("vit", "head:0.5+neuron:0.5", True, cases.VIT_COUPLED, cases.VIT_PAIR, ()),
-         "mha-coupled": ("mha", "head:0.5+neuron:0.5", True, cases.MHA_COUPLED, cases.MHA_PAIR, ())}
+         "mha-coupled": ("mha", "head:0.5+neuron:0.5", True, cases.MHA_COUPLED, cases.MHA_PAIR, ()),
+         # every head and hidden unit of the same norm at the start: the nodes choose differently, the OR works
+         "vit-even": ("vit-even", "head:0.5+neuron:0.5", True, cases.VIT_COUPLED, cases.VIT_PAIR, ())}
 RUNS = [(layout, "channel") for layout in LAYOUTS] + \
        [(layout, case) for case in ("mixed", "coupled", "streams") for layout in ((2, 2), (2, 3))] + \
        [((2, 2), "coupled-shape")] + [(layout, case) for case in ("vit", "vit-coupled", "mha-coupled")
-                                      for layout in ((2, 2), (2, 3))]
+                                      for layout in ((2, 2), (2, 3))] + [((2, 2), "vit-even")]
 # the accelerations (ConsensusConfig's restart, relaxation, rho_growth, keep_ramp_rounds), each against the
 # reference of the modified math; a ramp of 2 rounds projects round 1 to keep 0.5 + 0.5·(1/2)³
 LEVERS = {"paper-round": dict(restart="none"),   # the default restarts: this keeps θ where its steps left it
@@ -95,7 +97,11 @@ def test_rounds_match_the_reference(layout, case, levers):
                                             **LEVERS.get(levers, {}))
     assert {n: str(s) for n, s in specs.items()} == want_specs
 
-    check_against_the_reference(cluster, runs, want_specs, want_pairs, want_streams)
+    ref_rounds = check_against_the_reference(cluster, runs, want_specs, want_pairs, want_streams)
+    if kind == "vit-even":   # the nodes chose different heads and hidden units: the OR had work to do
+        differ = {n for rnd in ref_rounds for n in rnd["nodes_differ"]}
+        heads = {n for g in runs[0]["engine"].heads for n in g.members}
+        assert differ & heads and differ - heads, (sorted(differ), sorted(heads))
     for rank in cluster:   # every record as the ring model puts it: only the leaders' ring crosses nodes
         for rec in rank.ledger.records:
             crossing = rec.tier == "inter" and num_nodes > 1
@@ -115,6 +121,7 @@ def check_against_the_reference(cluster, runs, want_specs, want_pairs, want_stre
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
     cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
                         payload_bytes=eng.payload_dtype.itemsize)
+    return ref_rounds
 
 
 def train_overlapped_on_threads(num_nodes, local_size, kind, sparsity, coupled, **knobs):
@@ -179,6 +186,7 @@ def test_overlapped_rounds_match_the_delayed_reference(run):
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
     cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
                         payload_bytes=eng.payload_dtype.itemsize)
+    return ref_rounds
     overlapped = [True] * cases.ROUNDS if not knobs.get("overlap_after_freeze") else \
         [r["frozen_before"] for r in ref_rounds]   # freeze_round=3: round 4 only
     assert [r["in_flight"] for r in runs[0]["reports"]] == overlapped

@@ -22,7 +22,10 @@ RACK_RUNS = [((4, 2, 2), "channel", {}),
              # a narrow payload: rounded changes at the rack and across the spine, each with error feedback
              ((4, 2, 2), "channel", dict(payload_dtype="bf16", node_sync=True)),
              ((6, 1, 2), "mixed", dict(payload_dtype="fp16", keep_ramp_rounds=2)),
-             ((6, 1, 3), "coupled", dict(payload_dtype="bf16"))]
+             ((6, 1, 3), "coupled", dict(payload_dtype="bf16")),
+             # beyond convs: heads and coupled MLP hidden units through the rack tier
+             ((4, 1, 2), "vit-even", dict(payload_dtype="bf16")),
+             ((4, 2, 2), "mha-coupled", {})]
 
 
 @pytest.mark.parametrize("shape,case,knobs", RACK_RUNS,
@@ -35,7 +38,10 @@ def test_three_tier_rounds_match_the_reference(shape, case, knobs):
                                             **knobs)
     eng = runs[0]["engine"]
     assert eng.rack_tier and eng.topo.num_racks == num_nodes // per_rack
-    check_against_the_reference(cluster, runs, want_specs, want_pairs, want_streams)
+    ref_rounds = check_against_the_reference(cluster, runs, want_specs, want_pairs, want_streams)
+    if kind == "vit-even":   # the nodes' heads differ, and the OR up the tree is what every rank holds
+        heads = {n for g in eng.heads for n in g.members}
+        assert heads & {n for rnd in ref_rounds for n in rnd["nodes_differ"]}
     residuals = runs[0]["engine"].entries[0].residuals
     assert set(residuals) == {"r_intra", "s_intra", "r_inter", "s_inter", "r_spine", "s_spine"}
 
