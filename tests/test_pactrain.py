@@ -378,7 +378,7 @@ def test_pactrain_mpirun_two_nodes(tmp_path):
                                     "--patience", str(PATIENCE), "--out", str(tmp_path)),
                       ["PRUNEX_RANKS_PER_NODE=2"]))
     results = worker_results(proc, tmp_path, "pactrain")
-    for mode in ("plain", "terngrad"):
+    for mode in ("plain", "terngrad", "structured"):
         res0 = results[0][mode]
         assert res0["checks"] == STEPS, mode               # rank 0 checked every step against the reference
         assert res0["world_nodes"] == [0, 0, 1, 1]
@@ -386,7 +386,11 @@ def test_pactrain_mpirun_two_nodes(tmp_path):
         total = sum(numels.values())
         assert sum(buckets) == total and len(buckets) > 1  # several buckets (bucket_mb=0.002)
         for name, (kept, n) in res0["pruned"].items():
-            assert kept == math.ceil(0.5 * n), name
+            whole, read, c_in = res0["channels"][name]
+            if mode == "structured":   # half the input channels, each whole or gone
+                assert whole == read == math.ceil(0.5 * c_in) and kept == n // c_in * whole, name
+            else:
+                assert kept == math.ceil(0.5 * n) and read == c_in, name
         kept_total = total - sum(n - kept for kept, n in res0["pruned"].values())
         phases = [s["stable"] for s in res0["steps"]]
         assert phases == [False] * PATIENCE + [True] * (STEPS - PATIENCE), phases
@@ -396,7 +400,7 @@ def test_pactrain_mpirun_two_nodes(tmp_path):
             assert per_rank[0] == per_rank[2] == 0, per_rank      # their ring successor is on their node
             job = sum(per_rank)
             compact = res0["steps"][step]["compact"]
-            if mode == "plain":
+            if mode != "terngrad":   # plain and structured: float32 payloads
                 if phases[step]:
                     assert sum(compact) == kept_total
                     want = sum(ring_allreduce_job_cross(c * 4) for c in compact if c)

@@ -43,18 +43,19 @@ def main():
     ap.add_argument("--backend", default="mpi")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--patience", type=int, default=2)
-    ap.add_argument("--modes", default="plain,terngrad", help="runs, one after the other: plain and/or terngrad")
+    ap.add_argument("--modes", default="plain,terngrad,structured",
+                    help="runs, one after the other: plain, terngrad, structured (PruneX's channels at init)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
     topo = px.init(backend=a.backend)
     result = {"rank": topo.rank, "topology": topo.as_dict()}
     for mode in a.modes.split(","):
-        result[mode] = run(a, mode == "terngrad")
+        result[mode] = run(a, mode == "terngrad", "structured" if mode == "structured" else "unstructured")
     worker_io.report(a.out, topo.rank, result, sum(result[m]["checks"] for m in a.modes.split(",")))
 
 
-def run(a, terngrad):
+def run(a, terngrad, structure):
     from prunex_hvd.baselines import pactrain
     from prunex_hvd.dist.runtime import state
     topo, control = state()
@@ -65,10 +66,12 @@ def run(a, terngrad):
                 p.add_(torch.randn_like(p))
     opt = pactrain.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
                                         model, sparsity="channel:0.5", patience=a.patience, terngrad=terngrad,
-                                        bucket_mb=0.002, backend=a.backend, seed=7)
+                                        bucket_mb=0.002, backend=a.backend, seed=7, structure=structure)
     world, lay = opt._world, opt._layout
     names = [n for n, _ in model.named_parameters()]
     masks = {n: m.clone() for n, m in opt._masks.items()}
+    every = control.allgather_object(masks)   # every rank chose the same masks, without talking
+    assert all(torch.equal(m[n], masks[n]) for m in every for n in masks), "masks differ across ranks"
 
     sent = []   # this step's int8 payloads as sent, and the shared scales as received
     orig = type(world).allreduce_
@@ -164,6 +167,9 @@ def run(a, terngrad):
             "bucket_numels": [b.numel() for b in lay.buffers],
             "numels": {n: p.numel() for n, p in model.named_parameters()},
             "pruned": {n: [int(m.sum()), m.numel()] for n, m in masks.items()},
+            # input channels kept whole (all of a channel's entries) and kept at all, of C_in
+            "channels": {n: [int(m.flatten(2).all(2).all(0).sum()), int(m.flatten(2).any(2).any(0).sum()), m.shape[1]]
+                         for n, m in masks.items()},
             "int8_wire_itemsize": world.wire_dtype(torch.int8).itemsize,
             "world_nodes": list(world.nodes)}
 
