@@ -104,6 +104,12 @@ VARIANTS: Dict[str, str] = {
     "prunex": "--method prunex --sparsity channel:0.5",
     "prunex-bf16": "--method prunex --sparsity channel:0.5 --payload-dtype bf16",
     "prunex-fp16": "--method prunex --sparsity channel:0.5 --payload-dtype fp16",
+    "prunex-fixed-rho": "--method prunex --sparsity channel:0.5 --no-adaptive-rho",   # ρ held at 0.01 / 0.001
+    "prunex-freeze1": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0",
+    **{f"prunex-rhomax{str(m).replace('.', '')}": f"--method prunex --sparsity channel:0.5 --rho-max {m}"
+       for m in (0.1, 1.0)},   # the recipe, residual balancing capped lower
+    "prunex-fixed-rho-freeze1": "--method prunex --sparsity channel:0.5 --no-adaptive-rho --freeze-round 1 "
+                                "--keep-ramp-rounds 0",
     "prunex-overlap": "--method prunex --sparsity channel:0.5 --overlap",   # the recipe, overlapped once frozen
     **{f"prunex-overlap-s{k}": f"--method prunex --sparsity channel:0.5 --overlap --overlap-steps {k}"
        for k in (1, 2, 4)},

@@ -44,11 +44,14 @@ LEVERS = {"paper-round": dict(restart="none"),   # the default restarts: this ke
           "all": dict(restart="global", relaxation=1.6, rho_growth=1.3, keep_ramp_rounds=2),
           # a narrow payload: the change since z, rounded, with error feedback (reference: the same rounding)
           "bf16": dict(payload_dtype="bf16"),
-          "fp16-relaxed": dict(payload_dtype="fp16", relaxation=1.6, keep_ramp_rounds=2)}
+          "fp16-relaxed": dict(payload_dtype="fp16", relaxation=1.6, keep_ramp_rounds=2),
+          # the command line's recipe with every ρ held (no residual balancing)
+          "fixed-rho": dict(restart="global", node_sync=True, payload_dtype="bf16", adaptive_rho=False)}
 LEVER_RUNS = [((2, 2), "channel", "paper-round"), ((2, 3), "mixed", "paper-round"), ((2, 3), "channel", "restart-node"),
               ((2, 2), "mixed", "relaxed"), ((2, 3), "channel", "all"), ((1, 3), "channel", "all"),
               ((2, 2), "coupled", "all"), ((2, 2), "streams", "all"), ((2, 2), "channel", "bf16"),
-              ((2, 3), "mixed", "bf16"), ((2, 2), "coupled", "fp16-relaxed")]
+              ((2, 3), "mixed", "bf16"), ((2, 2), "coupled", "fp16-relaxed"), ((2, 2), "channel", "fixed-rho"),
+              ((2, 3), "mixed", "fixed-rho")]
 
 
 def train_on_threads(num_nodes, local_size, kind, sparsity, coupled, nodes_per_rack=None, **knobs):
@@ -186,7 +189,6 @@ def test_overlapped_rounds_match_the_delayed_reference(run):
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
     cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
                         payload_bytes=eng.payload_dtype.itemsize)
-    return ref_rounds
     overlapped = [True] * cases.ROUNDS if not knobs.get("overlap_after_freeze") else \
         [r["frozen_before"] for r in ref_rounds]   # freeze_round=3: round 4 only
     assert [r["in_flight"] for r in runs[0]["reports"]] == overlapped

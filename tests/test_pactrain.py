@@ -231,7 +231,7 @@ def test_structured_masks_are_prunex_channels_at_init_and_stay(single_process):
     for name in ("0.weight", "3.weight"):
         want = _channel_mask_by_hand(fresh[name], 0.5)
         assert torch.equal(opt._masks[name], want), name
-        assert torch.equal(model.get_parameter(name).detach() != 0, want), name   # pruned at once, kept ones as they were
+        assert torch.equal(model.get_parameter(name).detach() != 0, want), name   # pruned at once
     assert opt.layer_density() == {"0.weight": pytest.approx(2 / 3), "3.weight": 0.5}   # ceil(0.5·3) of 3 channels
     losses = train(model, opt, 60)
     assert sum(losses[-8:]) / 8 < 0.7 * sum(losses[:8]) / 8, losses

@@ -113,7 +113,13 @@ class ConsensusConfig:
       a node stay together and the structure is reached sooner, at the cost of freedom to fit local data
       (accuracy). ``rho2`` — pull of each node toward the global z; keep it ~10× smaller than rho1 so nodes
       can differ while their masks settle. ``adaptive_rho`` balances primal and dual residuals per layer (×/÷2
-      when one is 10× the other, capped at ``rho_max``), which makes the defaults safe across models.
+      when one is 10× the other, capped at ``rho_max``), which makes the defaults safe across models. With
+      ``restart`` every round's fresh local steps leave a large primal residual, so balancing keeps raising ρ:
+      on digits ρ1 went 0.01 → 0.32 and ρ2 0.001 → 1.0 by round 8. A large ρ2 makes z_i lean on the last z
+      and the global model move in smaller steps. That helped ResNet-18 on digits at 8×8 and hurt digits
+      (resnet_small), 5 seeds each (benchmarks/README, "PacTrain with PruneX's structure"): ρ held at
+      0.01 / 0.001 ended at 99.11% on digits against 98.61% balanced, but 97.56% on ResNet-18 against 98.39%
+      (80% after 4.9 epochs against 4.1); ``rho_max=0.1`` gave 98.89% on digits. Balanced stays the recipe.
     * ``rack_tier`` / ``rho3`` — with racks (``nodes_per_rack``, or Slurm's leaf switches) and more than one
       rack, a consensus w_r per rack sits between the nodes' z_i and the global z (docs/algorithm.md, "A third
       tier: racks"): nodes agree with their rack over the rack's switch (``rho2`` is then the pull toward w_r),
@@ -141,7 +147,10 @@ class ConsensusConfig:
       write. A stage that can remove nothing from a layer (``channel:K`` on a 1-channel stem or a depthwise
       conv) is one warning on rank 0.
     * ``freeze_round`` / ``freeze_patience`` — masks stop moving after that round, or once the global mask is
-      unchanged for that many rounds; then buffers are allocated once and projection is skipped.
+      unchanged for that many rounds; then buffers are allocated once and projection is skipped. Freezing
+      after round 1 without a ramp (channels chosen from one epoch's model, the rest retraining them) won on
+      digits (99.17% against 98.61%, 95% after 6.8 epochs against 8.0, 5 seeds) and lost on ResNet-18 (97.06%
+      against 98.39%): the recipe freezes after a third of the rounds, behind a ramp over the first quarter.
     * ``masked_retrain`` — after freezing, keep θ on the frozen structure (gradients and weights masked): the
       paper's retraining phase, so the model trained from then on is the pruned model itself. Freeze early
       enough to leave epochs for it (a third to a half of the run works well).
