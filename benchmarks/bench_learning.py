@@ -106,6 +106,7 @@ VARIANTS: Dict[str, str] = {
     "prunex-fp16": "--method prunex --sparsity channel:0.5 --payload-dtype fp16",
     "prunex-fixed-rho": "--method prunex --sparsity channel:0.5 --no-adaptive-rho",   # ρ held at 0.01 / 0.001
     "prunex-freeze1": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0",
+    "prunex-hold-rho2": "--method prunex --sparsity channel:0.5 --no-balance-rho2",   # ρ1 balanced, ρ2 held
     **{f"prunex-rhomax{str(m).replace('.', '')}": f"--method prunex --sparsity channel:0.5 --rho-max {m}"
        for m in (0.1, 1.0)},   # the recipe, residual balancing capped lower
     "prunex-fixed-rho-freeze1": "--method prunex --sparsity channel:0.5 --no-adaptive-rho --freeze-round 1 "

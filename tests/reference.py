@@ -193,7 +193,7 @@ def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload
     return w, t, w_old, d(_payload_average(sent) + states[0]["z"][name].masked_fill(~on, 0))
 
 
-def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, freezes=False,
+def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, balance_upper=True, freezes=False,
                     couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0, round_specs=None,
                     payload=None, racks=None, heads=()):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
@@ -283,12 +283,13 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             s_inter = rho2 * math.sqrt(sum(float((z - z_old).pow(2).sum()) for _ in range(M)))
         new1 = _adapt(rho1, r_intra, s_intra, rho_max) if adaptive else rho1
         # one node: no inter-node tier to balance (r_inter is 0 by construction)
-        new2 = _adapt(rho2, r_inter, s_inter, rho_max) if adaptive and M > 1 else rho2
+        new2 = _adapt(rho2, r_inter, s_inter, rho_max) if adaptive and balance_upper and M > 1 else rho2
         new1 = min(new1 * rho_growth, rho_max)
         new2 = min(new2 * rho_growth, rho_max) if M > 1 else new2
         if racks:
             rho3 = states[0]["rho3"][name]
-            new3 = min((_adapt(rho3, r_spine, s_spine, rho_max) if adaptive else rho3) * rho_growth, rho_max)
+            new3 = min((_adapt(rho3, r_spine, s_spine, rho_max) if adaptive and balance_upper else rho3) * rho_growth,
+                       rho_max)
             out["rho3"][name] = new3
             for k in range(len(racks)):
                 out["w"][k][name] = w[k].float()

@@ -77,7 +77,7 @@ def test_ranks_compare_every_knob():
     assert set(agreed) == {"sparsity", "local_steps", "rho", "freezing", "coupled", "bucket_mb", "backend",
                            "hierarchical", "round"}
     changed = {"sparsity": {"*": "channel:0.5"}, "local_steps": 5, "rho1": 0.1, "rho2": 0.1, "rho_max": 5.0,
-               "adaptive_rho": False, "weight_decay_z": 0.1, "freeze_round": 2, "freeze_patience": 9,
+               "adaptive_rho": False, "balance_rho2": False, "weight_decay_z": 0.1, "freeze_round": 2, "freeze_patience": 9,
                "masked_retrain": False, "coupled": True, "bucket_mb": 1.0, "backend": "gloo",
                "hierarchical": False, "restart": "node", "relaxation": 1.5, "rho_growth": 1.3,
                "keep_ramp_rounds": 4, "node_sync": True, "payload_dtype": "bf16", "overlap": True,
@@ -92,7 +92,7 @@ def test_ranks_compare_every_knob():
         differ = {k for k in agreed if agreed[k] != theirs[k]}
         # the same specs spelled another way resolve alike: not a disagreement
         assert differ == (set() if name == "sparsity" else {dict(rho1="rho", rho2="rho", rho_max="rho",
-                          adaptive_rho="rho", weight_decay_z="rho", freeze_round="freezing",
+                          adaptive_rho="rho", balance_rho2="rho", weight_decay_z="rho", freeze_round="freezing",
                           freeze_patience="freezing", masked_retrain="freezing", restart="round",
                           relaxation="round", rho_growth="rho", keep_ramp_rounds="freezing",
                           node_sync="round", payload_dtype="round", overlap="round",
@@ -144,13 +144,13 @@ def test_every_knob_but_the_methods_own_is_a_flag_with_the_recipe_default():
             "--bucket-mb", "2", "--backend", "gloo", "--local-steps", "6", "--freeze-round", "4",
             "--freeze-patience", "5", "--weight-decay-z", "0.1", "--rho-max", "3", "--rho2", "0.2",
             "--sparsity", '{"*": "filter:0.5"}', "--restart", "node", "--relaxation", "1.5", "--rho-growth", "1.2",
-            "--keep-ramp-rounds", "2", "--no-node-sync", "--payload-dtype", "fp16"]
+            "--keep-ramp-rounds", "2", "--no-node-sync", "--payload-dtype", "fp16", "--no-balance-rho2"]
     got = cli._train_config(parser.parse_args(argv)).consensus
     assert got == ConsensusConfig(sparsity={"*": "filter:0.5"}, local_steps=6, rho1=0.3, rho2=0.2, rho_max=3.0,
                                   adaptive_rho=False, weight_decay_z=0.1, freeze_round=4, freeze_patience=5,
                                   masked_retrain=False, coupled="streams", bucket_mb=2.0, backend="gloo",
                                   restart="node", relaxation=1.5, rho_growth=1.2, keep_ramp_rounds=2,
-                                  payload_dtype="fp16")
+                                  payload_dtype="fp16", balance_rho2=False)
     # the recipe turns node_sync on; the last of --no-node-sync / --node-sync wins
     assert RECIPE.node_sync is True and ConsensusConfig().node_sync is False
     assert RECIPE.payload_dtype == "bf16" and ConsensusConfig().payload_dtype is None

@@ -46,12 +46,14 @@ LEVERS = {"paper-round": dict(restart="none"),   # the default restarts: this ke
           "bf16": dict(payload_dtype="bf16"),
           "fp16-relaxed": dict(payload_dtype="fp16", relaxation=1.6, keep_ramp_rounds=2),
           # the command line's recipe with every ρ held (no residual balancing)
-          "fixed-rho": dict(restart="global", node_sync=True, payload_dtype="bf16", adaptive_rho=False)}
+          "fixed-rho": dict(restart="global", node_sync=True, payload_dtype="bf16", adaptive_rho=False),
+          # ... with ρ1 balanced and ρ2 held
+          "hold-rho2": dict(restart="global", node_sync=True, payload_dtype="bf16", balance_rho2=False)}
 LEVER_RUNS = [((2, 2), "channel", "paper-round"), ((2, 3), "mixed", "paper-round"), ((2, 3), "channel", "restart-node"),
               ((2, 2), "mixed", "relaxed"), ((2, 3), "channel", "all"), ((1, 3), "channel", "all"),
               ((2, 2), "coupled", "all"), ((2, 2), "streams", "all"), ((2, 2), "channel", "bf16"),
               ((2, 3), "mixed", "bf16"), ((2, 2), "coupled", "fp16-relaxed"), ((2, 2), "channel", "fixed-rho"),
-              ((2, 3), "mixed", "fixed-rho")]
+              ((2, 3), "mixed", "fixed-rho"), ((2, 2), "channel", "hold-rho2"), ((2, 3), "coupled", "hold-rho2")]
 
 
 def train_on_threads(num_nodes, local_size, kind, sparsity, coupled, nodes_per_rack=None, **knobs):

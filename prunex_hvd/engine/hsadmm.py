@@ -710,8 +710,9 @@ class HSADMM:
                 rho1, rho2, rho3 = e.rho1, e.rho2, e.rho3
                 if c.adaptive_rho:
                     rho1 = admm.adapt_rho(rho1, r_intra, s_intra, c.rho_max)
-                    rho2 = admm.adapt_rho(rho2, r_inter, s_inter, c.rho_max) if self.inter_tier else rho2
-                    rho3 = admm.adapt_rho(rho3, r_spine, s_spine, c.rho_max) if self.rack_tier else rho3
+                    if c.balance_rho2:
+                        rho2 = admm.adapt_rho(rho2, r_inter, s_inter, c.rho_max) if self.inter_tier else rho2
+                        rho3 = admm.adapt_rho(rho3, r_spine, s_spine, c.rho_max) if self.rack_tier else rho3
                     changed += [f"{e.name} {which} {old:.3g}->{new:.3g}" for which, old, new in
                                 (("rho1", e.rho1, rho1), ("rho2", e.rho2, rho2), ("rho3", e.rho3, rho3))
                                 if new != old]
