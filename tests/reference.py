@@ -193,12 +193,13 @@ def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload
     return w, t, w_old, d(_payload_average(sent) + states[0]["z"][name].masked_fill(~on, 0))
 
 
-def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, balance_upper=True, freezes=False,
-                    couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0, round_specs=None,
+def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, balance_upper=True,
+                    freezes=False, couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0, round_specs=None,
                     payload=None, racks=None, heads=()):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
     frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers, and θ
-    per rank (where ``restart`` moves it). ``freezes``: the masks freeze at the end of this round, cut to the
+    per rank (where ``restart`` moves it). ``adaptive``: residual balancing of ρ1, and with ``balance_upper``
+    of ρ2 and ρ3 too. ``freezes``: the masks freeze at the end of this round, cut to the
     requested structure from z. ``relaxation`` α: the next tier and the duals see α·θ + (1 − α)·z_i_old and
     α·z_i + (1 − α)·z_old; ``rho_growth``: every ρ times it after balancing, capped; ``round_specs``: the specs
     this round projects onto (a keep ramp), ``specs`` by default. ``payload`` (a torch dtype narrower than
