@@ -292,7 +292,9 @@ def test_methods_registry_builds_pactrain(single_process):
     train(model, opt, 3)
     s = opt.stats()
     assert set(methods.STATS_KEYS) <= set(s) and s["terngrad"] and s["mask_stable"]
-    structured = TrainConfig.from_flat(sparsity="channel:0.5", coupled=True, pactrain_structure="structured")
+    structured = TrainConfig.from_flat(method="pactrain", sparsity="channel:0.5", coupled=True,
+                                       pactrain_structure="structured")
+    structured.validate()   # --coupled is taken by structured PacTrain (refused for single weights: test_train_single)
     model = toy_cnn()
     opt = methods.wrap("pactrain", torch.optim.SGD(model.parameters(), lr=0.05), model, structured,
                        sample_batch=lambda: task(n=8))

@@ -64,6 +64,7 @@ def test_cifar10_from_the_pickle_layout(tmp_path, capsys):
     (["--sparsity", "{not json"], "does not parse"),
     (["--batch-size", "4000"], "batch"),
     (["--method", "topk", "--coupled"], "--coupled is a PruneX option"),
+    (["--method", "pactrain", "--coupled"], "--coupled is a PruneX option"),   # single weights: nothing to tie
     (["--method", "dense", "--coupled-streams"], "--coupled is a PruneX option"),
     (["--sparsity", "head:0.5"], r"'head:K' needs attention modules"),
 ])

@@ -89,7 +89,7 @@ def _pactrain(optimizer, model, cfg, sample_batch):
                                          bucket_mb=c.bucket_mb, backend=c.backend, seed=cfg.seed,
                                          grasp_batch=sample_batch() if cfg.pactrain_score == "grasp" else None,
                                          structure=cfg.pactrain_structure,
-                                         coupled=c.coupled if cfg.pactrain_structure == "structured" else False)
+                                         coupled=c.coupled)
 
 
 def _localsgd(optimizer, model, cfg, sample_batch):

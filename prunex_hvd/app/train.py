@@ -173,8 +173,10 @@ class TrainConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.method not in methods.METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(methods.METHODS)}")
-        if self.consensus.coupled and self.method not in ("prunex", "prunex-flat"):
-            raise ValueError(f"--coupled is a PruneX option (prunex, prunex-flat), not one of {self.method!r}")
+        structured_pactrain = self.method == "pactrain" and self.pactrain_structure == "structured"
+        if self.consensus.coupled and self.method not in ("prunex", "prunex-flat") and not structured_pactrain:
+            raise ValueError(f"--coupled is a PruneX option (prunex, prunex-flat; pactrain with --pactrain-structure "
+                             f"structured), not one of {self.method!r}")
 
 
 def _lr_factor(cfg: TrainConfig, steps_per_epoch: int):

@@ -65,8 +65,7 @@ from torch import Tensor
 from ..dist import agreement, runtime
 from ..engine.dependencies import structure_targets
 from ..engine.config import ConsensusConfig, Structure
-from ..engine.sparsity import keep_count, resolve_specs
-from ..engine.sparsity.projection import coupled_masks
+from ..engine.sparsity import coupled_masks, keep_count, resolve_specs, support_mask
 from .common import MethodOptimizer, broadcast_model, check_wrapping, flat_layout, mix_into
 
 SCORES = ("magnitude", "grasp")
@@ -98,7 +97,7 @@ def projection_masks(params: Dict[str, Tensor], structure) -> Dict[str, Tensor]:
     """Weight-shaped bool masks: the support ``rows ⊗ cols`` of PruneX's projection at ``params``
     (``structure``: a :class:`~prunex_hvd.engine.config.Structure`, its specs, couplings, streams and heads)."""
     support = coupled_masks(params, structure.specs, structure.couplings, structure.streams, structure.heads)
-    return {name: (rows[:, None] & cols[None, :]).reshape(params[name].shape) for name, (rows, cols) in support.items()}
+    return {name: support_mask(params[name], rows, cols) for name, (rows, cols) in support.items()}
 
 
 def grasp_scores(model: torch.nn.Module, loss_fn: Callable, x: Tensor, y: Tensor,
@@ -420,21 +419,22 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         if len({(p.dtype, p.device) for p in held}) > 1:
             raise ValueError("PacTrain packs gradients into flat buffers: the optimizer's parameters must share one "
                              f"dtype and device, got {sorted({(str(p.dtype), str(p.device)) for p in held})}")
-        # the same layers PruneX's spec would hold (heads, MLP neurons too), each pruned unstructured at its keep
-        specs = resolve_specs(model.named_parameters(), sparsity, structure_targets(model))
+        # the same layers PruneX's spec would hold (heads, MLP neurons too), each pruned unstructured at its keep;
+        # structured: PruneX's own resolution (its couplings, streams and heads too)
+        resolved = Structure.resolve(model, ConsensusConfig(sparsity=sparsity, coupled=coupled)) \
+            if structure == "structured" else None
+        specs = resolved.specs if resolved is not None else \
+            resolve_specs(model.named_parameters(), sparsity, structure_targets(model))
         held_ids = {id(p) for p in held}
         named = dict(model.named_parameters())
         outside = [n for n in specs if id(named[n]) not in held_ids]
         if outside:
             raise ValueError(f"sparsity prunes {outside[0]!r}, which the optimizer does not train")
         keep = {name: _keep_fraction(spec) for name, spec in specs.items()}
-        resolved = Structure.resolve(model, ConsensusConfig(sparsity=sparsity, coupled=coupled)) \
-            if structure == "structured" else None
+        # what coupled resolves to follows from the model (its signature is agreed) and the argument
         return (held, specs, keep, resolved), {"sparsity": {n: str(v) for n, v in specs.items()}, "score": score,
                                                "patience": patience, "seed": seed, "terngrad": terngrad,
-                                               "bucket_mb": bucket_mb, "structure": structure,
-                                               "coupled": None if resolved is None else
-                                               (resolved.couplings, [list(map(list, s)) for s in resolved.streams])}
+                                               "bucket_mb": bucket_mb, "structure": structure, "coupled": coupled}
     held, specs, keep, resolved = agreement.checked_construction("the PacTrain optimizer", backend, model, checks)
     named = dict(model.named_parameters())
 

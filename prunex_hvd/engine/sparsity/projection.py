@@ -246,7 +246,8 @@ def masks_to_indices(rows: Tensor, cols: Tensor) -> Tuple[Tensor, Tensor]:
     return rows.nonzero().flatten(), cols.nonzero().flatten()
 
 
-def _mask2d(weight: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+def support_mask(weight: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """The bool mask ``rows ⊗ cols`` in ``weight``'s shape (and on its device): the entries a projection keeps."""
     return (rows.to(weight.device)[:, None] & cols.to(weight.device)[None, :]).reshape(weight.shape)
 
 
@@ -255,7 +256,7 @@ def apply_masks(weight: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
 
     Uses masked_fill rather than a multiply so dropped entries are exactly 0 even when they hold inf/nan.
     """
-    return weight.masked_fill(~_mask2d(weight, rows, cols), 0)
+    return weight.masked_fill(~support_mask(weight, rows, cols), 0)
 
 
 def project(weight: Tensor, spec) -> Tensor:
