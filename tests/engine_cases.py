@@ -249,7 +249,8 @@ def expected_round(rnd, before, after, node_ranks, eng):
     c = eng.config
     specs = {e.name: e.spec for e in eng.structured}
     return reference_round(before, node_ranks, specs, weight_decay_z=c.weight_decay_z, rho_max=c.rho_max,
-                           adaptive=c.adaptive_rho, balance_upper=c.balance_rho2, freezes=after[0]["frozen"] and not before[0]["frozen"],
+                           adaptive=c.adaptive_rho, balance_upper=c.balance_rho2,
+                           freezes=after[0]["frozen"] and not before[0]["frozen"],
                            couplings=eng.couplings, streams=eng.streams, restart=c.restart,
                            relaxation=c.relaxation, rho_growth=c.rho_growth,
                            round_specs={n: ramped_spec(s, rnd + 1, c.keep_ramp_rounds) for n, s in specs.items()},

@@ -194,8 +194,8 @@ def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload
 
 
 def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, balance_upper=True,
-                    freezes=False, couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0, round_specs=None,
-                    payload=None, racks=None, heads=()):
+                    freezes=False, couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0,
+                    round_specs=None, payload=None, racks=None, heads=()):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
     frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers, and θ
     per rank (where ``restart`` moves it). ``adaptive``: residual balancing of ρ1, and with ``balance_upper``
@@ -214,8 +214,8 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
     assert not racks or relaxation == 1.0
     frozen = states[0]["frozen"]
     out = {"u": [{} for _ in states], "z_i": [{} for _ in range(M)], "v": [{} for _ in range(M)], "z": {},
-           "rho1": {}, "rho2": {}, "masks": {}, "sent_masks": {}, "node_masks": {}, "buffers": {}, "residuals": {}, "ef": {},
-           "buffer_ef": {}, "ulp": {}, "w": [{} for _ in racks or ()], "t": [{} for _ in racks or ()], "rho3": {},
+           "rho1": {}, "rho2": {}, "masks": {}, "sent_masks": {}, "node_masks": {}, "buffers": {}, "residuals": {},
+           "ef": {}, "buffer_ef": {}, "ulp": {}, "w": [{} for _ in racks or ()], "t": [{} for _ in racks or ()], "rho3": {},
            "ef_spine": {}, "buffer_ef_spine": {}}
     d = lambda t: t.double()  # noqa: E731
     couplings = couplings or {}

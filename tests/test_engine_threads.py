@@ -103,10 +103,8 @@ def test_rounds_match_the_reference(layout, case, levers):
     assert {n: str(s) for n, s in specs.items()} == want_specs
 
     ref_rounds = check_against_the_reference(cluster, runs, want_specs, want_pairs, want_streams)
-    if kind == "vit-even":   # the nodes chose different heads and hidden units: the OR had work to do
-        differ = {n for rnd in ref_rounds for n in rnd["nodes_differ"]}
-        heads = {n for g in runs[0]["engine"].heads for n in g.members}
-        assert differ & heads and differ - heads, (sorted(differ), sorted(heads))
+    if kind == "vit-even":
+        assert_nodes_chose_apart(ref_rounds, runs[0]["engine"])
     for rank in cluster:   # every record as the ring model puts it: only the leaders' ring crosses nodes
         for rec in rank.ledger.records:
             crossing = rec.tier == "inter" and num_nodes > 1
@@ -127,6 +125,13 @@ def check_against_the_reference(cluster, runs, want_specs, want_pairs, want_stre
     cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
                         payload_bytes=eng.payload_dtype.itemsize)
     return ref_rounds
+
+
+def assert_nodes_chose_apart(ref_rounds, eng):
+    """The nodes chose different heads and different MLP hidden units in some round: the mask OR had work to do."""
+    differ = {n for rnd in ref_rounds for n in rnd["nodes_differ"]}
+    heads = {n for g in eng.heads for n in g.members}
+    assert differ & heads and differ - heads, (sorted(differ), sorted(heads))
 
 
 def train_overlapped_on_threads(num_nodes, local_size, kind, sparsity, coupled, **knobs):

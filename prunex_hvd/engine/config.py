@@ -115,8 +115,8 @@ class ConsensusConfig:
       can differ while their masks settle. ``adaptive_rho`` balances primal and dual residuals per layer (×/÷2
       when one is 10× the other, capped at ``rho_max``), which makes the defaults safe across models. With
       ``restart`` every round's fresh local steps leave a large primal residual, so balancing keeps raising ρ:
-      on digits ρ1 went 0.01 → 0.32 and ρ2 0.001 → 0.26 by round 8 (1.0 on some layers by round 13). A large ρ2 makes z_i lean on the last z
-      and the global model move in smaller steps. That helped ResNet-18 on digits at 8×8 and hurt digits
+      on digits ρ1 went 0.01 → 0.32 and ρ2 0.001 → 0.26 by round 8 (1.0 on some layers by round 13). A large
+      ρ2 makes z_i lean on the last z and the global model move in smaller steps. That helped ResNet-18 on digits at 8×8 and hurt digits
       (resnet_small), 5 seeds each (benchmarks/README, "PacTrain with PruneX's structure"): ρ held at
       0.01 / 0.001 ended at 99.11% on digits against 98.61% balanced, but 97.56% on ResNet-18 against 98.39%
       (80% after 4.9 epochs against 4.1); ``rho_max=0.1`` lands between (98.89% / 98.00%). Balanced stays the
