@@ -111,6 +111,11 @@ VARIANTS: Dict[str, str] = {
        for m in (0.1, 1.0)},   # the recipe, residual balancing capped lower
     "prunex-fixed-rho-freeze1": "--method prunex --sparsity channel:0.5 --no-adaptive-rho --freeze-round 1 "
                                 "--keep-ramp-rounds 0",
+    # momentum across rounds (the recipe, then acceleration): fast ADMM with restart; z alone (DiLoCo's outer step)
+    "prunex-fast-admm": "--method prunex --sparsity channel:0.5 --acceleration fast-admm",
+    "prunex-fast-admm-fixed-rho": "--method prunex --sparsity channel:0.5 --acceleration fast-admm --no-adaptive-rho",
+    **{f"prunex-nesterov{str(b).replace('.', '')}": f"--method prunex --sparsity channel:0.5 --acceleration nesterov "
+                                                    f"--outer-momentum {b}" for b in (0.3, 0.5, 0.9)},
     "prunex-overlap": "--method prunex --sparsity channel:0.5 --overlap",   # the recipe, overlapped once frozen
     **{f"prunex-overlap-s{k}": f"--method prunex --sparsity channel:0.5 --overlap --overlap-steps {k}"
        for k in (1, 2, 4)},

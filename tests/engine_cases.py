@@ -228,7 +228,13 @@ def snapshot(eng):
             "t": {e.name: e.t.cpu().clone() for e in eng.entries if e.t is not None},
             "rho3": {e.name: e.rho3 for e in eng.entries},
             "ef_spine": {e.name: e.ef_spine.cpu().clone() for e in eng.entries if e.ef_spine is not None},
-            "buffer_ef_spine": {n: ef.cpu().clone() for (n, _), ef in zip(eng.buffers, eng._buffer_ef_spine)}}
+            "buffer_ef_spine": {n: ef.cpu().clone() for (n, _), ef in zip(eng.buffers, eng._buffer_ef_spine)},
+            # acceleration: the extrapolated z the next round leans on, the last z and v, the momentum's state
+            "z_hat": {e.name: e.z_hat.cpu().clone() for e in eng.entries if e.z_hat is not None},
+            "z_prev": {e.name: e.z_prev.cpu().clone() for e in eng.entries if e.z_prev is not None},
+            "v_prev": {e.name: e.v_prev.cpu().clone() for e in eng.entries if e.v_prev is not None},
+            "momentum_a": {e.name: e.momentum_a for e in eng.entries},
+            "combined": {e.name: e.combined for e in eng.entries}}
 
 
 def compare(name, got, want, rtol=1e-4, atol=1e-6, ulp=None):
@@ -255,7 +261,8 @@ def expected_round(rnd, before, after, node_ranks, eng):
                            relaxation=c.relaxation, rho_growth=c.rho_growth,
                            round_specs={n: ramped_spec(s, rnd + 1, c.keep_ramp_rounds) for n, s in specs.items()},
                            payload=eng.payload_dtype if eng.delta_coded else None,
-                           racks=[list(r) for r in eng.topo.racks] if eng.rack_tier else None, heads=eng.heads)
+                           racks=[list(r) for r in eng.topo.racks] if eng.rack_tier else None, heads=eng.heads,
+                           acceleration=eng.acceleration, outer_momentum=c.outer_momentum)
 
 
 def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buffers=True):
@@ -292,6 +299,22 @@ def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buff
         for name, (rows, cols) in got["masks"].items():
             assert torch.equal(rows, want["masks"][name][0]) and torch.equal(cols, want["masks"][name][1]), \
                 (rnd, r, name)
+        assert bool(got["z_hat"]) == ("z_hat" in want), f"rank {r}: acceleration state {'unexpected' if got['z_hat'] else 'missing'}"
+        for name in got["z_hat"]:   # acceleration: where the next round leans, and the momentum's state
+            ulp = want["ulp"].get(name)
+            compare(f"round {rnd} rank {r} z_hat[{name}]", got["z_hat"][name], want["z_hat"][name], ulp=ulp)
+            compare(f"round {rnd} rank {r} z_prev[{name}]", got["z_prev"][name], want["z_prev"][name], ulp=ulp)
+            if name in got["v_prev"] or want["v_prev"][node]:
+                compare(f"round {rnd} rank {r} v_prev[{name}]", got["v_prev"][name], want["v_prev"][node][name],
+                        ulp=ulp)
+            # (a tier in exact agreement, as a conv bias before BatchNorm, compares float32 noise with noise: there
+            # the restart may go either way, and z − z_prev is noise too; a narrow payload's z may round apart)
+            if max(want["residuals"][name][2:4]) > 1e-6:
+                assert got["momentum_a"][name] == want["momentum_a"][name], \
+                    (rnd, r, name, got["momentum_a"][name], want["momentum_a"][name])
+                assert math.isclose(got["combined"][name], want["combined"][name], rel_tol=1e-4 if ulp is None else 1e-2) or \
+                    got["combined"][name] == want["combined"][name], \
+                    (rnd, r, name, got["combined"][name], want["combined"][name])
         for name in got["buffers"] if buffers else ():
             compare(f"round {rnd} rank {r} buffer {name}", got["buffers"][name], want["buffers"][name],
                     ulp=want["ulp"].get("buffer " + name))
@@ -310,6 +333,8 @@ def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buff
                             ulp=want["ulp"][name if key == "ef_spine" else "buffer " + name])
     return {"frozen_before": before[0]["frozen"],
             "compact": {n: [int(r.sum()), int(c.sum())] for n, (r, c) in want["sent_masks"].items()},
+            # acceleration: the extrapolation weight of every tensor this round
+            "gamma": dict(want.get("gamma", {})),
             # the layers whose nodes chose different masks this round: the OR had work to do
             "nodes_differ": sorted(n for n, masks in want["node_masks"].items()
                                    if any(not (torch.equal(m[0], masks[0][0]) and torch.equal(m[1], masks[0][1]))

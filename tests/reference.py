@@ -195,7 +195,7 @@ def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload
 
 def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, balance_upper=True,
                     freezes=False, couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0,
-                    round_specs=None, payload=None, racks=None, heads=()):
+                    round_specs=None, payload=None, racks=None, heads=(), acceleration="none", outer_momentum=0.5):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
     frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers, and θ
     per rank (where ``restart`` moves it). ``adaptive``: residual balancing of ρ1, and with ``balance_upper``
@@ -207,11 +207,14 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
     leftover rounding error (``ef``, ``buffer_ef`` in the states, returned updated), added up in node order in
     the payload's dtype, averaged, and added to z_old (the float buffers likewise against ``round_buffers``).
     ``racks`` (the nodes of every rack; docs/algorithm.md, "A third tier: racks"): three tiers, z_i answering to
-    its rack's w_r (``w``, ``t``, ``rho3`` in the states, returned per rack); no payload or relaxation there."""
+    its rack's w_r (``w``, ``t``, ``rho3`` in the states, returned per rack); no payload or relaxation there.
+    ``acceleration`` (M > 1, two tiers): the round leans on the extrapolated ``z_hat`` of the states in place of
+    z (the candidate, the relaxed z_i, s_inter), and ends with :func:`reference_extrapolation`."""
     M, P = len(node_ranks), len(node_ranks[0])
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
     rack_of = {i: k for k, nodes in enumerate(racks or ()) for i in nodes}
-    assert not racks or relaxation == 1.0
+    assert not racks or (relaxation == 1.0 and acceleration == "none")
+    accelerated = acceleration != "none" and M > 1
     frozen = states[0]["frozen"]
     out = {"u": [{} for _ in states], "z_i": [{} for _ in range(M)], "v": [{} for _ in range(M)], "z": {},
            "rho1": {}, "rho2": {}, "masks": {}, "sent_masks": {}, "node_masks": {}, "buffers": {}, "residuals": {},
@@ -225,7 +228,7 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
     cands = {}
     for name in states[0]["theta"]:
         rho1, rho2 = states[0]["rho1"][name], states[0]["rho2"][name]
-        z_old = d(states[0]["z"][name])
+        z_old = d(states[0]["z_hat" if accelerated else "z"][name])   # the point the round leans on
         cands[name] = []
         for i, ranks in enumerate(node_ranks):
             node_sum = sum(relaxed_theta[name][r] + d(states[r]["u"][name]) for r in ranks)
@@ -236,7 +239,7 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
                                  heads) for i in range(M)]
     for name in states[0]["theta"]:
         rho1, rho2 = states[0]["rho1"][name], states[0]["rho2"][name]
-        z_old = d(states[0]["z"][name])
+        z_old = d(states[0]["z_hat" if accelerated else "z"][name])   # (what a narrow payload's change is from: z)
         z_i, node_masks = [], []
         for i, ranks in enumerate(node_ranks):
             cand = cands[name][i]
@@ -331,8 +334,47 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             out["ulp"]["buffer " + name] = max(rack_ulp, payload_ulp(sent))
         out["buffers"][name] = states[0]["round_buffers"][name] + _payload_average(sent)
         out["ulp"]["buffer " + name] = payload_ulp(sent)
-    # where θ starts the next local steps: the consensus (after the freeze's cut), or where the steps left it
-    out["theta"] = [{name: out["z"][name] if restart == "global" else
+    if accelerated:
+        reference_extrapolation(out, states, node_ranks, specs, acceleration, outer_momentum, freezes)
+    # where θ starts the next local steps: the consensus (after the freeze's cut; accelerated: its extrapolation),
+    # or where the steps left it
+    out["theta"] = [{name: out["z_hat" if accelerated else "z"][name] if restart == "global" else
                      out["z_i"][node_of[r]][name] if restart == "node" else s["theta"][name]
                      for name in s["theta"]} for r, s in enumerate(states)]
     return out
+
+
+def reference_extrapolation(out, states, node_ranks, specs, acceleration, outer_momentum, froze):
+    """The end of an accelerated round (docs/algorithm.md, "Accelerations"), on ``reference_round``'s ``out``:
+    ``"nesterov"``: ẑ = z + β(z − z_prev); ``"fast-admm"`` (Goldstein et al. 2014, Alg. 8): ẑ and v̂_i = v_i +
+    γ(v_i − v_prev_i) with γ = (a − 1)/a', a' = (1 + √(1 + 4a²))/2, while c = ρ2·r_inter² + s_inter²/ρ2 (the round's
+    ρ2) is below 0.999× the last round's c and ρ2 held and the masks did not freeze; else a = 1, γ = 0. ẑ is cut to
+    the global support. Adds z_hat, z_prev, momentum_a, combined, and v_prev per node; v becomes v̂."""
+    for key in ("z_hat", "z_prev", "momentum_a", "combined"):
+        out[key] = {}
+    out["v_prev"] = [{} for _ in node_ranks]
+    for name in states[0]["theta"]:
+        z = out["z"][name].double()
+        if acceleration == "nesterov":
+            gamma, a, c = outer_momentum, states[0]["momentum_a"][name], states[0]["combined"][name]
+        else:
+            rho2 = states[0]["rho2"][name]
+            r_inter, s_inter = out["residuals"][name][2:4]
+            c = rho2 * r_inter ** 2 + s_inter ** 2 / rho2
+            if froze or out["rho2"][name] != rho2 or not c < 0.999 * states[0]["combined"][name]:
+                a, gamma = 1.0, 0.0
+            else:
+                a0 = states[0]["momentum_a"][name]
+                a = (1 + math.sqrt(1 + 4 * a0 * a0)) / 2
+                gamma = (a0 - 1) / a
+            for i, ranks in enumerate(node_ranks):
+                v = out["v"][i][name].double()
+                out["v_prev"][i][name] = v.float()
+                out["v"][i][name] = (v + gamma * (v - states[ranks[0]]["v_prev"][name].double())).float()
+        z_hat = z + gamma * (z - states[0]["z_prev"][name].double())
+        if name in specs:
+            rows, cols = out["masks"][name]
+            z_hat = z_hat * torch.outer(rows, cols).reshape(z.shape)
+        out["z_hat"][name], out["z_prev"][name] = z_hat.float(), z.float()
+        out["momentum_a"][name], out["combined"][name] = a, c
+        out.setdefault("gamma", {})[name] = gamma

@@ -108,3 +108,61 @@ def test_three_tier_admm_reaches_the_consensus_optimum():
     optimum = a.mean((0, 1, 2))
     for copies in (theta, z_i, w, z[None]):
         torch.testing.assert_close(copies, optimum.expand_as(copies), rtol=0, atol=1e-9)
+
+
+def test_momentum_weight_is_nesterovs_sequence():
+    a, gammas = 1.0, []
+    for _ in range(4):
+        a_next, gamma = admm.momentum_weight(a)
+        assert a_next * a_next - a_next == pytest.approx(a * a)   # a_{k+1}² − a_{k+1} = a_k²
+        a = a_next
+        gammas.append(gamma)
+    assert gammas == pytest.approx([0.0, 0.2817, 0.4340, 0.5311], abs=1e-4)
+    old, new = torch.tensor([1.0, 2.0]), torch.tensor([2.0, 2.0])
+    assert torch.equal(admm.extrapolate(new, old, 0.5), torch.tensor([2.5, 2.0]))
+    assert admm.extrapolate(new, old, 0.0) is not new and torch.equal(admm.extrapolate(new, old, 0.0), new)
+    assert admm.combined_residual(4.0, 9.0, 0.5) == 0.5 * 4.0 + 9.0 / 0.5
+
+
+def _two_tier_rounds(acceleration, rho2, rounds=400, tol=1e-8):
+    """Two-tier consensus ADMM with exact steps on f_ij(θ) = ½‖θ − a_ij‖² (2 nodes × 2 ranks), accelerated on the
+    inter tier as the engine's phase 10 does. Returns (rounds until every copy is within ``tol`` of the optimum,
+    the final z)."""
+    nodes, ranks, shape = 2, 2, (5,)
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(nodes, ranks, *shape, generator=g, dtype=torch.float64) * torch.tensor([1.0, 10.0])[:, None, None]
+    rho1 = 1.0
+    theta, u = a.clone(), torch.zeros_like(a)
+    z_i, v = a.mean(1), torch.zeros(nodes, *shape, dtype=torch.float64)
+    z = z_i.mean(0)
+    z_hat, z_prev, v_prev, m_a, combined = z.clone(), z.clone(), v.clone(), 1.0, float("inf")
+    optimum = a.mean((0, 1))
+    for k in range(1, rounds + 1):
+        theta = (a + rho1 * (z_i[:, None] - u)) / (1 + rho1)
+        z_i_new = admm.node_candidate((theta + u).sum(1), z_hat, v, rho1, rho2, ranks, nodes)
+        z_new = admm.global_average(list(z_i_new + v))
+        r_sq, s_sq = float((z_i_new - z_new).pow(2).sum()), rho2 ** 2 * nodes * float((z_new - z_hat).pow(2).sum())
+        admm.update_dual(u, theta, z_i_new[:, None])
+        admm.update_dual(v, z_i_new, z_new)
+        z_i, z = z_i_new, z_new
+        gamma = 0.0
+        if acceleration == "fast-admm":
+            c = admm.combined_residual(r_sq, s_sq, rho2)
+            m_a, gamma = admm.momentum_weight(m_a) if c < admm.RESTART_ETA * combined else (1.0, 0.0)
+            combined = c
+            v, v_prev = admm.extrapolate(v, v_prev, gamma), v
+        z_hat, z_prev = admm.extrapolate(z, z_prev, gamma), z.clone()
+        if max(float((x - optimum).abs().max()) for x in (theta, z_i, z)) < tol:
+            return k, z
+    return None, z
+
+
+def test_fast_admm_reaches_the_optimum_in_fewer_rounds():
+    """The acceleration's math on a problem with a known answer: with a weak inter-node pull (ρ2 = 0.02, the
+    regime where plain ADMM crawls), fast ADMM with restart reaches the consensus optimum, as plain ADMM does, in
+    far fewer rounds."""
+    plain, z_plain = _two_tier_rounds("none", 0.02, rounds=5000)
+    fast, z_fast = _two_tier_rounds("fast-admm", 0.02, rounds=5000)
+    assert plain is not None and fast is not None, (plain, fast)
+    assert fast < plain / 2, (fast, plain)
+    torch.testing.assert_close(z_fast, z_plain, rtol=0, atol=1e-7)

@@ -37,6 +37,11 @@ KNOBS = ConsensusConfig.knob_names()
     ({"overlap": True, "overlap_steps": 0}, r"overlap_steps must be None or an integer >= 1, got 0"),
     ({"overlap_after_freeze": "yes"}, r"overlap_after_freeze must be True or False, got 'yes'"),
     ({"overlap_steps": 3}, r"overlap_steps is when an overlapped round is folded in: it needs overlap=True"),
+    ({"acceleration": "heavy-ball"}, r"acceleration must be one of none, fast-admm, nesterov, got 'heavy-ball'"),
+    ({"acceleration": "nesterov", "outer_momentum": 1.0}, r"outer_momentum must be a number in \[0, 1\), got 1\.0"),
+    ({"outer_momentum": True}, r"outer_momentum must be a number in \[0, 1\), got True"),
+    ({"acceleration": "fast-admm", "hierarchical": False}, r"acceleration='fast-admm' acts on the inter-node tier"),
+    ({"acceleration": "nesterov", "overlap": True}, r"acceleration='nesterov' is not available with overlap=True"),
 ])
 def test_a_bad_knob_is_refused_when_the_config_is_made(knobs, message):
     with pytest.raises(ValueError, match=message):
@@ -82,7 +87,8 @@ def test_ranks_compare_every_knob():
                "masked_retrain": False, "coupled": True, "bucket_mb": 1.0, "backend": "gloo",
                "hierarchical": False, "restart": "node", "relaxation": 1.5, "rho_growth": 1.3,
                "keep_ramp_rounds": 4, "node_sync": True, "payload_dtype": "bf16", "overlap": True,
-               "overlap_steps": 2, "overlap_after_freeze": False, "rho3": 0.1, "rack_tier": False}
+               "overlap_steps": 2, "overlap_after_freeze": False, "rho3": 0.1, "rack_tier": False,
+               "acceleration": "fast-admm", "outer_momentum": 0.9}
     assert set(changed) == set(KNOBS)
     needs = {"overlap_steps": {"overlap": True}}   # a knob that only means something with another
     for name, value in changed.items():
@@ -99,6 +105,7 @@ def test_ranks_compare_every_knob():
                           relaxation="round", rho_growth="rho", keep_ramp_rounds="freezing",
                           node_sync="round", payload_dtype="round", overlap="round",
                           overlap_steps="round", overlap_after_freeze="round", rho3="rho",
+                          acceleration="round", outer_momentum="round",
                           rack_tier="round").get(name, name)}), name
         agreed = base.agreement(Structure.resolve(model, base))
 

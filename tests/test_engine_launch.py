@@ -60,6 +60,19 @@ def test_engine_mpirun_attention_heads_and_mlp_neurons(tmp_path, backend, model,
 
 
 @needs_mpirun
+@pytest.mark.parametrize("backend,acceleration", [("mpi", "fast-admm"), ("gloo", "nesterov")])
+def test_engine_mpirun_accelerated(tmp_path, backend, acceleration):
+    """Momentum across rounds under a real launch (ρ held, so fast ADMM's momentum builds; bf16 payload and
+    node_sync, as in the recipe): every round, with ẑ, v̂ and the momentum's state, matches the reference."""
+    proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", backend, "--acceleration", acceleration,
+                                    "--fixed-rho", "--node-sync", "--payload-dtype", "bf16", "--out", str(tmp_path)),
+                      ["PRUNEX_RANKS_PER_NODE=2"]))
+    check(proc, tmp_path, CHANNEL, payload_bytes=2)
+    ref_rounds = worker_results(proc, tmp_path, "engine")[0]["ref_rounds"]
+    assert any(g > 0 for rnd in ref_rounds for g in rnd["gamma"].values())   # the momentum moved ẑ
+
+
+@needs_mpirun
 @pytest.mark.parametrize("payload", ["bf16", "fp16"])
 def test_engine_mpirun_half_payload(tmp_path, payload):
     """A 2-byte payload across nodes under MPI (which has no half-precision types: our own reduction ops): the

@@ -17,7 +17,7 @@ from prunex_hvd.dist.comm.threads import thread_cluster
 from prunex_hvd.engine.config import ConsensusConfig, Structure
 from prunex_hvd.engine.hsadmm import HSADMM
 from prunex_hvd.engine.sparsity import native
-from threaded import run_ranks
+from threaded import RankFailed, run_ranks
 
 LAYOUTS = [(1, 1), (1, 3), (3, 1), (2, 2), (2, 3)]
 # name: (model, sparsity argument, coupled, the specs it resolves to, the coupled pairs, the streams)
@@ -48,12 +48,22 @@ LEVERS = {"paper-round": dict(restart="none"),   # the default restarts: this ke
           # the command line's recipe with every ρ held (no residual balancing)
           "fixed-rho": dict(restart="global", node_sync=True, payload_dtype="bf16", adaptive_rho=False),
           # ... with ρ1 balanced and ρ2 held
-          "hold-rho2": dict(restart="global", node_sync=True, payload_dtype="bf16", balance_rho2=False)}
+          "hold-rho2": dict(restart="global", node_sync=True, payload_dtype="bf16", balance_rho2=False),
+          # momentum across rounds: fast ADMM over 4 rounds without a freeze or a change of ρ (its momentum
+          # builds); on the recipe (ρ changes and the freeze restart it); DiLoCo-like on z alone, relaxed and narrow
+          "fast-admm": dict(restart="global", adaptive_rho=False, acceleration="fast-admm"),
+          "fast-admm-recipe": dict(restart="global", node_sync=True, payload_dtype="bf16", acceleration="fast-admm"),
+          "nesterov-relaxed": dict(restart="global", acceleration="nesterov", outer_momentum=0.5, relaxation=1.6),
+          "nesterov-bf16": dict(restart="global", node_sync=True, payload_dtype="bf16", acceleration="nesterov",
+                                outer_momentum=0.9)}
 LEVER_RUNS = [((2, 2), "channel", "paper-round"), ((2, 3), "mixed", "paper-round"), ((2, 3), "channel", "restart-node"),
               ((2, 2), "mixed", "relaxed"), ((2, 3), "channel", "all"), ((1, 3), "channel", "all"),
               ((2, 2), "coupled", "all"), ((2, 2), "streams", "all"), ((2, 2), "channel", "bf16"),
               ((2, 3), "mixed", "bf16"), ((2, 2), "coupled", "fp16-relaxed"), ((2, 2), "channel", "fixed-rho"),
-              ((2, 3), "mixed", "fixed-rho"), ((2, 2), "channel", "hold-rho2"), ((2, 3), "coupled", "hold-rho2")]
+              ((2, 3), "mixed", "fixed-rho"), ((2, 2), "channel", "hold-rho2"), ((2, 3), "coupled", "hold-rho2"),
+              ((2, 2), "channel", "fast-admm"), ((3, 1), "mixed", "fast-admm"), ((1, 3), "channel", "fast-admm"),
+              ((2, 3), "coupled", "fast-admm-recipe"), ((2, 2), "mixed", "nesterov-relaxed"),
+              ((2, 3), "channel", "nesterov-bf16")]
 
 
 def train_on_threads(num_nodes, local_size, kind, sparsity, coupled, nodes_per_rack=None, **knobs):
@@ -105,6 +115,13 @@ def test_rounds_match_the_reference(layout, case, levers):
     ref_rounds = check_against_the_reference(cluster, runs, want_specs, want_pairs, want_streams)
     if kind == "vit-even":
         assert_nodes_chose_apart(ref_rounds, runs[0]["engine"])
+    if levers == "fast-admm" and num_nodes > 1:
+        # round 1 starts the sequence (γ = 0); in round 2 momentum builds on the tensors whose combined residual
+        # fell and restarts the others; the freeze after round 3 restarts all
+        assert not any(ref_rounds[0]["gamma"].values()), ref_rounds[0]["gamma"]
+        round2 = list(ref_rounds[1]["gamma"].values())
+        assert 0.0 in round2 and max(round2) > 0.28, round2
+        assert not any(ref_rounds[2]["gamma"].values()), ref_rounds[2]["gamma"]
     for rank in cluster:   # every record as the ring model puts it: only the leaders' ring crosses nodes
         for rec in rank.ledger.records:
             crossing = rec.tier == "inter" and num_nodes > 1
@@ -418,6 +435,41 @@ def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round, at_step,
             assert torch.equal(plain[r][0][k], took[r][0][k]), f"taking state_dict changed rank {r}'s {k}"
             assert torch.equal(took[r][0][k], resumed[r][0][k]), f"rank {r}'s {k} differs after the resume"
         assert plain[r][1] == took[r][1], r
+
+
+@pytest.mark.parametrize("acceleration", ["fast-admm", "nesterov"])
+def test_accelerated_state_dict_resumes_bit_for_bit_and_fits_only_its_acceleration(acceleration):
+    """The momentum is state (ẑ, the last z and v, a and the last combined residual): state_dict() after round 2 of
+    4 (2×2, the recipe's bf16 payload and node_sync, ρ held so fast ADMM's momentum builds), loaded into fresh
+    engines, ends bit for bit where the uninterrupted run ends. An engine with another acceleration (or none)
+    refuses that state, and an accelerated one refuses a state saved without it."""
+    total, take_at = cases.ROUNDS * cases.LOCAL_STEPS, 2 * cases.LOCAL_STEPS
+    native.module()
+
+    def job(acc, saved=None):
+        config = ConsensusConfig(sparsity="channel:0.5", node_sync=True, payload_dtype="bf16", acceleration=acc,
+                                 **dict(cases.SETTINGS, adaptive_rho=False))
+        models = [cases.make_model("chain", r) for r in range(4)]
+        structure = Structure.resolve(models[0], config)
+
+        def rank_run(rank):
+            model = models[rank.topo.rank]
+            eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
+            return cases.run_with_snapshot(eng, model, cases.sgd(model), rank.topo.rank, total, take_at,
+                                           None if saved is None else saved[rank.topo.rank])
+        return run_ranks(2, 2, rank_run)
+    whole = job(acceleration)
+    resumed = job(acceleration, saved=[r[2] for r in whole])
+    for r in range(4):
+        assert all(torch.equal(whole[r][0][k], resumed[r][0][k]) for k in whole[r][0]), f"rank {r}"
+    saved = whole[0][2]["engine"]["entries"]["3.weight"]
+    assert not torch.equal(saved["z_hat"], saved["z"])   # the momentum moved ẑ off z by round 2
+    other = "nesterov" if acceleration == "fast-admm" else "fast-admm"
+    for resumed_with, saved_with, state in ((other, acceleration, whole), ("none", acceleration, whole),
+                                            (acceleration, "none", job("none"))):
+        with pytest.raises(RankFailed, match=f"saved with acceleration='{saved_with}', resumed with "
+                                             f"'{resumed_with}'"):
+            job(resumed_with, saved=[r[2] for r in state])
 
 
 def test_a_round_in_flight_is_refused_by_an_engine_without_overlap():

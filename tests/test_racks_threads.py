@@ -81,7 +81,8 @@ def test_two_tier_shapes_are_the_two_tier_round_bit_for_bit(shape, knobs):
 
 @pytest.mark.parametrize("knobs,named", [(dict(overlap=True), "overlap=True"),
                                          (dict(relaxation=1.5), "relaxation=1.5"),
-                                         (dict(relaxation=1.5, overlap=True), "overlap=True, relaxation=1.5")])
+                                         (dict(relaxation=1.5, overlap=True), "overlap=True, relaxation=1.5"),
+                                         (dict(acceleration="fast-admm"), "acceleration='fast-admm'")])
 def test_what_the_rack_tier_lacks_is_refused_on_every_rank(knobs, named):
     models = [cases.make_model("chain", r) for r in range(4)]
     config = ConsensusConfig(sparsity="channel:0.5", **dict(cases.SETTINGS, **knobs))

@@ -111,6 +111,29 @@ def grow_rho(rho: float, growth: float, rho_max: float) -> float:
     return min(rho * growth, rho_max) if growth != 1.0 else rho
 
 
+RESTART_ETA = 0.999   # fast ADMM keeps its momentum while the combined residual falls below η × the last one
+
+
+def combined_residual(primal_sq: float, dual_sq: float, rho: float) -> float:
+    """Goldstein et al. (2014)'s combined residual of a tier, c = ρ·r² + s²/ρ (in scaled form: ρ‖v − v̂‖² +
+    ρ‖z − ẑ‖², as r = ‖z_i − z‖ summed over the copies is v's step and s = ρ√M‖z − ẑ‖ z's). It falls at every
+    round of convergent ADMM; fast ADMM restarts its momentum when it does not."""
+    return rho * primal_sq + dual_sq / rho
+
+
+def momentum_weight(a: float) -> Tuple[float, float]:
+    """Nesterov's sequence as fast ADMM uses it (Goldstein et al. 2014, Alg. 8): a_{k+1} = (1 + √(1 + 4a_k²))/2
+    and the extrapolation weight γ_k = (a_k − 1)/a_{k+1}. From a = 1 (a start or a restart) γ is 0, then
+    0.28, 0.43, 0.53, ... → 1. Returns (a_{k+1}, γ_k)."""
+    a_next = (1.0 + math.sqrt(1.0 + 4.0 * a * a)) / 2.0
+    return a_next, (a - 1.0) / a_next
+
+
+def extrapolate(new: torch.Tensor, old: torch.Tensor, gamma: float) -> torch.Tensor:
+    """new + γ·(new − old): the point the next round leans on (a new tensor; ``new`` itself at γ = 0 is cloned)."""
+    return new.clone() if gamma == 0.0 else torch.lerp(old, new, 1.0 + gamma)
+
+
 def rescale_dual(dual: torch.Tensor, rho_old: float, rho_new: float) -> torch.Tensor:
     """Keep the unscaled dual y = ρ·u fixed when ρ changes: u ← u·ρ_old/ρ_new."""
     if rho_new != rho_old:

@@ -20,6 +20,7 @@ from .sparsity import DENSE, StructureSpec, check_layer_types, resolve_specs, st
 COUPLING_MODES = (False, True, "pairs", "streams")
 PAYLOAD_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RESTARTS = ("none", "node", "global")
+ACCELERATIONS = ("none", "fast-admm", "nesterov")
 
 
 def _knob(default, help: str, agree: Optional[str] = None):
@@ -224,6 +225,13 @@ class ConsensusConfig:
     overlap_after_freeze: bool = _knob(True, "with overlap: overlap only the rounds after the masks freeze, those "
                                              "before blocking (off: every round from the first)",
                                        agree="round")
+    acceleration: str = _knob("none", "momentum across rounds on the inter-node tier: none, fast-admm (z and its "
+                                      "dual v extrapolated, restarted when the combined residual stops falling) "
+                                      "or nesterov (z alone, by outer_momentum: DiLoCo's outer step)",
+                              agree="round")
+    outer_momentum: float = _knob(0.5, "with acceleration='nesterov': the weight beta of the last round's move of "
+                                       "z added to the point the next round starts from, in [0, 1)",
+                                  agree="round")
 
     def __post_init__(self):
         def integer(name, minimum):
@@ -276,6 +284,17 @@ class ConsensusConfig:
         if self.overlap and not self.hierarchical:
             raise ValueError("overlap=True overlaps the hierarchical consensus's inter-node exchange; with "
                              "hierarchical=False there is no such tier (every rank sums its dense θ + u)")
+        if self.acceleration not in ACCELERATIONS:
+            raise ValueError(f"acceleration must be one of {', '.join(ACCELERATIONS)}, got {self.acceleration!r}")
+        if isinstance(self.outer_momentum, bool) or not (isinstance(self.outer_momentum, Real)
+                                                         and 0 <= self.outer_momentum < 1):
+            raise ValueError(f"outer_momentum must be a number in [0, 1), got {self.outer_momentum!r}")
+        if self.acceleration != "none" and not self.hierarchical:
+            raise ValueError(f"acceleration={self.acceleration!r} acts on the inter-node tier; with "
+                             f"hierarchical=False there is none (one flat consensus group)")
+        if self.acceleration != "none" and self.overlap:
+            raise ValueError(f"acceleration={self.acceleration!r} is not available with overlap=True yet (the "
+                             f"overlapped fold would need the extrapolation's delayed form): turn one of them off")
         check_bucket_mb(self.bucket_mb)
         check_backend_name(self.backend)
 

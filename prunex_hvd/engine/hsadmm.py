@@ -84,6 +84,16 @@ class Entry:
     t: Optional[torch.Tensor] = None       # w_r's dual against z
     rho3: float = 0.0                      # w_r's pull toward z
     ef_spine: Optional[torch.Tensor] = None   # three tiers, narrow payload: the rack leader's rounding error
+    z_hat: Optional[torch.Tensor] = None   # ``acceleration``: the extrapolated z the next round leans on
+    z_prev: Optional[torch.Tensor] = None  # the last round's z (not extrapolated)
+    v_prev: Optional[torch.Tensor] = None  # fast-admm: the last round's v (e.v holds the extrapolated v̂)
+    momentum_a: float = 1.0                # fast-admm: Nesterov's a_k (1: no momentum yet, or restarted)
+    combined: float = math.inf             # fast-admm: the last round's combined residual
+
+    @property
+    def anchor(self) -> torch.Tensor:
+        """The global consensus the round leans on: z, or with ``acceleration`` its extrapolation ẑ."""
+        return self.z if self.z_hat is None else self.z_hat
 
     def set_masks(self, rows: torch.Tensor, cols: torch.Tensor) -> None:
         self.rows, self.cols = rows, cols
@@ -156,6 +166,8 @@ class HSADMM:
         self.payload_dtype = PAYLOAD_DTYPES[config.payload_dtype] or self.dtype
         self.delta_coded = (self.inter_tier and config.payload_dtype is not None
                             and self.payload_dtype.itemsize < self.state_dtype.itemsize)
+        # momentum across rounds on the inter-node tier (one node, or none: nothing to accelerate)
+        self.acceleration = config.acceleration if self.inter_tier else "none"
         self._check_rack_tier()
 
         self._broadcast_model(params)
@@ -169,6 +181,9 @@ class HSADMM:
                 e.w, e.t = theta.clone(), torch.zeros_like(theta)
                 e.rho3 = float(config.rho3 if config.rho3 is not None else config.rho2)
                 e.ef_spine = torch.zeros_like(theta) if self.delta_coded else None
+            if self.acceleration != "none":   # no move yet: ẑ = z
+                e.z_hat, e.z_prev = theta.clone(), theta.clone()
+                e.v_prev = torch.zeros_like(theta) if self.acceleration == "fast-admm" else None
             if e.structured:   # masks start all ones
                 c_out = theta.shape[0]
                 e.set_masks(torch.ones(c_out, dtype=torch.bool, device=self.device),
@@ -213,7 +228,8 @@ class HSADMM:
                                f"{self.topo.rank}, a {'rack' if self.topo.is_rack_leader else 'node'} leader")
         c = self.config
         unsupported = [what for what, on in (("overlap=True", c.overlap),
-                                              (f"relaxation={c.relaxation!r}", c.relaxation != 1.0)) if on]
+                                              (f"relaxation={c.relaxation!r}", c.relaxation != 1.0),
+                                              (f"acceleration={c.acceleration!r}", c.acceleration != "none")) if on]
         if unsupported:
             raise ValueError(f"the rack tier ({self.topo.num_racks} racks of {self.topo.nodes_per_rack} nodes) does "
                              f"not support {', '.join(unsupported)} yet: turn {'it' if len(unsupported) == 1 else 'them'}"
@@ -361,8 +377,11 @@ class HSADMM:
                 for buf in layout.buffers:
                     self.groups.leaders_then_node_(buf, "avg", self.topo.num_nodes)
         wait = time.perf_counter() - t_wire
-        self._settle(z_i_new, layout, nonfinite, steps, self._theta_sq(z_i_new), masks_before, w_new=w_new)   # 5–9
-        self._restart()                               # 10. θ starts the next local steps at the consensus
+        rho2_before, frozen_before = [e.rho2 for e in self.entries], self.frozen
+        residuals = self._settle(z_i_new, layout, nonfinite, steps, self._theta_sq(z_i_new), masks_before,
+                                 w_new=w_new)        # 5–9
+        self._extrapolate(*residuals, rho2_before, froze=self.frozen and not frozen_before)   # 10. where the next
+        self._restart()                               #     round starts: ẑ (acceleration), θ at the consensus
         return self._report(before, time.perf_counter() - t0, layout.total_numel, wait)
 
     def _start(self) -> tuple:
@@ -377,7 +396,8 @@ class HSADMM:
     def _settle(self, z_i_new, layout, nonfinite, steps, theta_sq, masks_before, du=None,
                 own_buffers: bool = False, w_new: Optional[List[torch.Tensor]] = None) -> None:
         """Phases 5–9 once the exchange has arrived in ``layout`` (``du``, ``own_buffers``: see
-        :meth:`_update_duals`; ``w_new``: the racks' new w_r); a refused round puts the masks back and raises."""
+        :meth:`_update_duals`; ``w_new``: the racks' new w_r); a refused round puts the masks back and raises.
+        Returns the round's summed residual squares and the top tier's s² (:meth:`_verdict`)."""
         z_new = self._recover(layout)                 # 5. recovery of z
         try:                                          # 6. verdict, from the job-wide residual sum
             totals, s_top_sq = self._verdict(z_i_new, z_new, nonfinite, steps, theta_sq, w_new)
@@ -388,6 +408,7 @@ class HSADMM:
         self._adapt_rho(totals, s_top_sq)             # 8. residuals and adaptive ρ
         self.round += 1
         self._maybe_freeze()                          # 9. freezing
+        return totals, s_top_sq
 
     # -- the overlapped round (docs/algorithm.md, "Overlapped rounds") ------------------------------------
     def _overlapped_round(self, steps: Optional[int]) -> dict:
@@ -480,7 +501,7 @@ class HSADMM:
         """Phase 2: the exact argmin in z_i of every entry (every rank of the node computes the same); with racks
         z_i's consensus above it is its rack's w_r, not z."""
         P, M = self.topo.local_size, self.topo.num_nodes
-        return [admm.node_candidate(self._dense.views[k].view_as(e.z), e.w if self.rack_tier else e.z, e.v,
+        return [admm.node_candidate(self._dense.views[k].view_as(e.z), e.w if self.rack_tier else e.anchor, e.v,
                                     e.rho1, e.rho2, P, M, self.config.weight_decay_z)
                 for k, e in enumerate(self.entries)]
 
@@ -625,7 +646,7 @@ class HSADMM:
                 local_sq[k, 1] = admm.dual_residual_sq(admm.sq_norm(z_i_new[k] - e.z_i), e.rho1, P)
                 local_sq[k, 2] = admm.sq_norm(z_i_new[k] - upper)
             if w_new is None:
-                s_inter_sq[k] = admm.dual_residual_sq(admm.sq_norm(z_new[k] - e.z), e.rho2, M)   # M copies of z
+                s_inter_sq[k] = admm.dual_residual_sq(admm.sq_norm(z_new[k] - e.anchor), e.rho2, M)   # M copies of z
                 continue
             if self.topo.is_rack_leader:   # rack-level terms: once per rack, the dual one for its N copies
                 local_sq[k, 3] = admm.dual_residual_sq(admm.sq_norm(w_new[k] - e.w), e.rho2, self.topo.nodes_per_rack)
@@ -690,7 +711,7 @@ class HSADMM:
     def _relaxed_node(self, z_i_new: torch.Tensor, e: Entry) -> torch.Tensor:
         """What the z-step and v's update see of the node's new z_i: α·z_i + (1 − α)·z (z_i itself at α = 1)."""
         alpha = self.config.relaxation
-        return z_i_new if alpha == 1.0 else admm.relax(z_i_new, e.z, alpha)
+        return z_i_new if alpha == 1.0 else admm.relax(z_i_new, e.anchor, alpha)
 
     def _adapt_rho(self, totals: torch.Tensor, s_top_sq: List[float]) -> None:
         """Phase 8: per-layer residuals; residual balancing of ρ1 (and of ρ2 where there is an inter-node tier, ρ3
@@ -738,6 +759,44 @@ class HSADMM:
                                 or self.stable_rounds >= self.config.freeze_patience):
                 self._freeze()
 
+    def _extrapolate(self, totals: torch.Tensor, s_top_sq: List[float], rho2_before: List[float],
+                     froze: bool) -> None:
+        """Phase 10, ``acceleration`` (docs/algorithm.md, "Accelerations"): the point the next round leans on, in
+        place of z (in the node candidate, the relaxed z_i, s_inter and the restart), on the global support:
+
+            ẑ = z + γ·(z − z_prev)                   (``"nesterov"``: γ = ``outer_momentum``)
+            ẑ, v̂ = z + γ_k·(z − z_prev), v + γ_k·(v − v_prev)   (``"fast-admm"``, v̂ then is the dual)
+
+        Fast ADMM (Goldstein et al. 2014, Alg. 8) takes γ_k from Nesterov's sequence (:func:`admm.momentum_weight`)
+        while the combined residual c = ρ2·r_inter² + s_inter²/ρ2 falls below η× the last round's, and restarts
+        (a = 1, so γ = 0 for two rounds) when it does not, when ρ2 changed (the scaled dual's metric moved), or
+        when the masks froze. Restarting drops the momentum only: the paper's restart also goes back one
+        iterate, which in training would throw a round's steps away. Every input is the same on every rank."""
+        if self.acceleration == "none":
+            return
+        gammas = []
+        for k, e in enumerate(self.entries):
+            if self.acceleration == "nesterov":
+                gamma = self.config.outer_momentum
+            else:
+                rho2 = rho2_before[k]
+                c = admm.combined_residual(float(totals[k, 2]), s_top_sq[k], rho2)
+                if froze or e.rho2 != rho2 or not c < admm.RESTART_ETA * e.combined:
+                    e.momentum_a, gamma = 1.0, 0.0
+                else:
+                    e.momentum_a, gamma = admm.momentum_weight(e.momentum_a)
+                e.combined = c
+                v_hat = admm.extrapolate(e.v, e.v_prev, gamma)
+                e.v_prev, e.v = e.v, v_hat
+            gammas.append(gamma)
+            z_hat = admm.extrapolate(e.z, e.z_prev, gamma)
+            e.z_hat = sparsity.apply_masks(z_hat, e.rows, e.cols) if e.structured else z_hat
+            e.z_prev = e.z.clone()   # (e.z itself is written in place by load_state_dict and finalize)
+        if self.topo.rank == 0:
+            moving = [g for g in gammas if g > 0]
+            log.info("round %d: %s momentum on %d of %d tensors (mean gamma %.2f)", self.round, self.acceleration,
+                     len(moving), len(gammas), sum(moving) / len(moving) if moving else 0.0)
+
     def _restart(self) -> None:
         """Phase 10 (``restart``): θ of every rank starts the next round's local steps at the consensus, z
         (``"global"``) or its node's z_i (``"node"``), as local SGD restarts from the average. Only where the
@@ -746,8 +805,8 @@ class HSADMM:
         if self.config.restart == "none":
             return
         with torch.no_grad():
-            for e in self.entries:
-                e.param.copy_(e.z if self.config.restart == "global" else e.z_i)
+            for e in self.entries:   # (with acceleration, the extrapolated ẑ: the point the round leans on)
+                e.param.copy_(e.anchor if self.config.restart == "global" else e.z_i)
 
     def _freeze(self) -> None:
         """Masks stop moving. The OR of the nodes' masks may keep more than was asked, so the frozen structure
@@ -1013,7 +1072,11 @@ class HSADMM:
                                  "ef": None if e.ef is None else e.ef.clone(),
                                  **({"w": e.w.clone(), "t": e.t.clone(), "rho3": e.rho3,
                                      "ef_spine": None if e.ef_spine is None else e.ef_spine.clone()}
-                                    if e.w is not None else {})}
+                                    if e.w is not None else {}),
+                                 **({"z_hat": e.z_hat.clone(), "z_prev": e.z_prev.clone(),
+                                     "v_prev": None if e.v_prev is None else e.v_prev.clone(),
+                                     "momentum_a": e.momentum_a, "combined": e.combined}
+                                    if e.z_hat is not None else {})}
                         for e in self.entries},
             "round_buffers": {name: b.clone() for (name, _), b in zip(self.buffers, self._round_buffers)},
             "buffer_ef": {name: ef.clone() for (name, _), ef in zip(self.buffers, self._buffer_ef)},
@@ -1034,8 +1097,15 @@ class HSADMM:
                 raise ValueError(f"engine state: saved {'with' if 'w' in s else 'without'} the rack tier, resumed "
                                  f"{'with' if self.rack_tier else 'without'} it: resume on the same racks "
                                  f"(nodes_per_rack) and rack_tier setting")
-            for key in ("u", "z_i", "v", "z") + (("w", "t") if self.rack_tier else ()):
+            saved_as = "none" if "z_hat" not in s else "nesterov" if s["v_prev"] is None else "fast-admm"
+            if saved_as != self.acceleration:
+                raise ValueError(f"engine state: saved with acceleration={saved_as!r}, resumed with "
+                                 f"{self.acceleration!r}: resume with the same acceleration (its momentum is state)")
+            for key in ("u", "z_i", "v", "z") + (("w", "t") if self.rack_tier else ()) + \
+                    (("z_hat", "z_prev") if e.z_hat is not None else ()) + (("v_prev",) if e.v_prev is not None else ()):
                 getattr(e, key).copy_(s[key])
+            if e.z_hat is not None:
+                e.momentum_a, e.combined = float(s["momentum_a"]), float(s["combined"])
             if self.rack_tier:
                 e.rho3 = float(s["rho3"])
             if e.ef_spine is not None:

@@ -41,6 +41,8 @@ def main():
                     help="local steps under CPU autocast and a GradScaler, an inf in a gradient of RANK at STEP")
     ap.add_argument("--amp-pattern", default="scaler.step", choices=cases.AMP_PATTERNS,
                     help="with --amp-inf: the calls around the step (engine_cases.amp_step)")
+    ap.add_argument("--acceleration", default="none", choices=("none", "fast-admm", "nesterov"))
+    ap.add_argument("--fixed-rho", action="store_true", help="every rho held (fast ADMM's momentum then builds)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
@@ -54,8 +56,9 @@ def main():
     opt = px.DistributedOptimizer(cases.sgd(model), model, sparsity=spec, local_steps=10**6, backend=a.backend,
                                   coupled=a.coupled, node_sync=a.node_sync, payload_dtype=a.payload_dtype,
                                   overlap=a.overlap, overlap_steps=a.overlap_steps,
-                                  overlap_after_freeze=a.overlap_after_freeze,
-                                  **dict(cases.SETTINGS, freeze_round=a.freeze_round))
+                                  overlap_after_freeze=a.overlap_after_freeze, acceleration=a.acceleration,
+                                  **dict(cases.SETTINGS, freeze_round=a.freeze_round,
+                                         adaptive_rho=not a.fixed_rho))
     eng = opt._engine
     cases.assert_same_everywhere(control.allgather_object(cases.model_state(model)), "after construction")
     px.comm.reset()
