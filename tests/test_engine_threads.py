@@ -437,27 +437,34 @@ def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round, at_step,
         assert plain[r][1] == took[r][1], r
 
 
+def resume_on_threads(config, num_nodes, local_size, saved=None, cluster=None):
+    """Every rank trains the chain model for ``cases.ROUNDS`` rounds (:func:`cases.run_with_snapshot`), taking a
+    snapshot after round 2, or resuming there from ``saved`` (the snapshots of such a run). Returns each rank's
+    (final model state, bytes, snapshot)."""
+    total, take_at = cases.ROUNDS * cases.LOCAL_STEPS, 2 * cases.LOCAL_STEPS
+    models = [cases.make_model("chain", r) for r in range(num_nodes * local_size)]
+    structure = Structure.resolve(models[0], config)
+
+    def rank_run(rank):
+        model = models[rank.topo.rank]
+        eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
+        return cases.run_with_snapshot(eng, model, cases.sgd(model), rank.topo.rank, total, take_at,
+                                       None if saved is None else saved[rank.topo.rank])
+    return run_ranks(num_nodes, local_size, rank_run, cluster=cluster)
+
+
 @pytest.mark.parametrize("acceleration", ["fast-admm", "nesterov"])
 def test_accelerated_state_dict_resumes_bit_for_bit_and_fits_only_its_acceleration(acceleration):
     """The momentum is state (ẑ, the last z and v, a and the last combined residual): state_dict() after round 2 of
     4 (2×2, the recipe's bf16 payload and node_sync, ρ held so fast ADMM's momentum builds), loaded into fresh
     engines, ends bit for bit where the uninterrupted run ends. An engine with another acceleration (or none)
     refuses that state, and an accelerated one refuses a state saved without it."""
-    total, take_at = cases.ROUNDS * cases.LOCAL_STEPS, 2 * cases.LOCAL_STEPS
     native.module()
 
     def job(acc, saved=None):
         config = ConsensusConfig(sparsity="channel:0.5", node_sync=True, payload_dtype="bf16", acceleration=acc,
                                  **dict(cases.SETTINGS, adaptive_rho=False))
-        models = [cases.make_model("chain", r) for r in range(4)]
-        structure = Structure.resolve(models[0], config)
-
-        def rank_run(rank):
-            model = models[rank.topo.rank]
-            eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
-            return cases.run_with_snapshot(eng, model, cases.sgd(model), rank.topo.rank, total, take_at,
-                                           None if saved is None else saved[rank.topo.rank])
-        return run_ranks(2, 2, rank_run)
+        return resume_on_threads(config, 2, 2, saved)
     whole = job(acceleration)
     resumed = job(acceleration, saved=[r[2] for r in whole])
     for r in range(4):

@@ -9,7 +9,8 @@ import engine_cases as cases
 from prunex_hvd.engine.config import ConsensusConfig, Structure
 from prunex_hvd.engine.hsadmm import HSADMM
 from prunex_hvd.engine.sparsity import native
-from test_engine_threads import CASES, assert_nodes_chose_apart, check_against_the_reference, train_on_threads
+from test_engine_threads import (CASES, assert_nodes_chose_apart, check_against_the_reference, resume_on_threads,
+                                 train_on_threads)
 from threaded import RankFailed, run_ranks
 
 # (nodes, ranks per node, nodes per rack), case, knobs
@@ -108,20 +109,11 @@ def test_three_tier_state_dict_resumes_bit_for_bit_and_fits_only_three_tiers():
     config = ConsensusConfig(sparsity="channel:0.5", node_sync=True, payload_dtype="bf16",
                              **dict(cases.SETTINGS, rho3=0.01))
     native.module()
-    total, take_at = cases.ROUNDS * cases.LOCAL_STEPS, 2 * cases.LOCAL_STEPS
 
     def job(saved=None, per_rack=2, rack_tier=True):
         from prunex_hvd.dist.comm.threads import thread_cluster
-        models = [cases.make_model("chain", r) for r in range(8)]
         conf = ConsensusConfig(**dict(config.knobs(), rack_tier=rack_tier))
-        structure = Structure.resolve(models[0], conf)
-
-        def rank_run(rank):
-            model = models[rank.topo.rank]
-            eng = HSADMM(model, rank.topo, rank.groups, conf, structure, ledger=rank.ledger)
-            return cases.run_with_snapshot(eng, model, cases.sgd(model), rank.topo.rank, total, take_at,
-                                           None if saved is None else saved[rank.topo.rank])
-        return run_ranks(4, 2, rank_run, cluster=thread_cluster(4, 2, nodes_per_rack=per_rack))
+        return resume_on_threads(conf, 4, 2, saved, cluster=thread_cluster(4, 2, nodes_per_rack=per_rack))
     whole = job()
     resumed = job(saved=[r[2] for r in whole])
     for r in range(8):
