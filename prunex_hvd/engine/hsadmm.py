@@ -15,11 +15,13 @@ Every rank of node i holds the same z_i, v_i and z; leaders (local rank 0) alone
  7. v_i += z_i − z,  u += θ − z_i; the float buffers take the round's average
  8. residuals (r/s intra, r/s inter) per layer; adaptive ρ with dual rescaling
  9. masks frozen when stable, at exactly the requested structure (then θ trains on it: the retraining phase)
-10. with ``restart``, every rank's θ starts the next local steps at the consensus (z, or z_i)
+10. where the next round starts: with ``acceleration`` the extrapolated ẑ (and v̂) it leans on in place of z (and
+    v); with ``restart`` every rank's θ at the consensus (z or ẑ, or z_i)
 
 The accelerations (docs/algorithm.md, "Accelerations"): ``relaxation`` α puts α·θ + (1 − α)·z_i (and
 α·z_i + (1 − α)·z) in place of θ (z_i) in the next tier's step and in the dual update; ``rho_growth`` multiplies
-every ρ each round; ``keep_ramp_rounds`` lowers the keep ratios from 1 to their targets over the first rounds.
+every ρ each round; ``keep_ramp_rounds`` lowers the keep ratios from 1 to their targets over the first rounds;
+``acceleration`` extrapolates z (fast ADMM: and v) across rounds, and the next round leans on ẑ.
 
 ``overlap``: a round stops after phase 4 has started the leaders' exchange; the next round (or the
 ``overlap_steps``-th local step after it, ``complete()``, ``finalize()``; a mid-flight ``state_dict()`` for the wire
@@ -709,7 +711,8 @@ class HSADMM:
         return e.param.detach() if alpha == 1.0 else admm.relax(e.param.detach(), e.z_i, alpha)
 
     def _relaxed_node(self, z_i_new: torch.Tensor, e: Entry) -> torch.Tensor:
-        """What the z-step and v's update see of the node's new z_i: α·z_i + (1 − α)·z (z_i itself at α = 1)."""
+        """What the z-step and v's update see of the node's new z_i: α·z_i + (1 − α)·z, z the round leaned on (ẑ
+        with ``acceleration``; z_i itself at α = 1)."""
         alpha = self.config.relaxation
         return z_i_new if alpha == 1.0 else admm.relax(z_i_new, e.anchor, alpha)
 
