@@ -400,6 +400,22 @@ def test_an_overlapped_round_refused_at_its_fold_leaves_the_previous_state():
             assert torch.equal(rows, after["masks"][name][0]) and torch.equal(cols, after["masks"][name][1])
 
 
+def resume_on_threads(config, num_nodes, local_size, saved=None, cluster=None, take_at=2 * cases.LOCAL_STEPS):
+    """Every rank trains the chain model for ``cases.ROUNDS`` rounds (:func:`cases.run_with_snapshot`), taking a
+    snapshot at step ``take_at`` (default: after round 2; None: none), or resuming there from ``saved`` (the
+    snapshots of such a run). Returns each rank's (final model state, bytes, snapshot)."""
+    total = cases.ROUNDS * cases.LOCAL_STEPS
+    models = [cases.make_model("chain", r) for r in range(num_nodes * local_size)]
+    structure = Structure.resolve(models[0], config)
+
+    def rank_run(rank):
+        model = models[rank.topo.rank]
+        eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
+        return cases.run_with_snapshot(eng, model, cases.sgd(model), rank.topo.rank, total, take_at,
+                                       None if saved is None else saved[rank.topo.rank])
+    return run_ranks(num_nodes, local_size, rank_run, cluster=cluster)
+
+
 @pytest.mark.parametrize("at_round,at_step,fold", [(1, 0, None), (3, 0, None), (1, 1, 2)],
                          ids=["round-1", "round-3", "round-1-one-step-into-the-flight"])
 def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round, at_step, fold):
@@ -411,46 +427,16 @@ def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round, at_step,
     config = ConsensusConfig(sparsity="channel:0.5", overlap=True, overlap_after_freeze=False,
                              **dict(cases.SETTINGS, **knobs))
     native.module()
-    total, take_at = cases.ROUNDS * cases.LOCAL_STEPS, at_round * cases.LOCAL_STEPS + at_step
-
-    def job(take=False, saved=None):
-        models = [cases.make_model("chain", r) for r in range(4)]
-        structure = Structure.resolve(models[0], config)
-
-        def rank_run(rank):
-            model = models[rank.topo.rank]
-            eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
-            final, bytes_, snap = cases.run_with_snapshot(eng, model, cases.sgd(model), rank.topo.rank, total,
-                                                          take_at if take or saved else None,
-                                                          None if saved is None else saved[rank.topo.rank])
-            if snap is not None:
-                assert snap["engine"]["in_flight"]["steps_since"] == at_step
-            return final, bytes_, snap
-        return run_ranks(2, 2, rank_run)
-    plain = job()
-    took = job(take=True)
-    resumed = job(saved=[t[2] for t in took])
+    take_at = at_round * cases.LOCAL_STEPS + at_step
+    plain = resume_on_threads(config, 2, 2, take_at=None)
+    took = resume_on_threads(config, 2, 2, take_at=take_at)
+    assert all(t[2]["engine"]["in_flight"]["steps_since"] == at_step for t in took)
+    resumed = resume_on_threads(config, 2, 2, saved=[t[2] for t in took], take_at=take_at)
     for r in range(4):
         for k in plain[r][0]:
             assert torch.equal(plain[r][0][k], took[r][0][k]), f"taking state_dict changed rank {r}'s {k}"
             assert torch.equal(took[r][0][k], resumed[r][0][k]), f"rank {r}'s {k} differs after the resume"
         assert plain[r][1] == took[r][1], r
-
-
-def resume_on_threads(config, num_nodes, local_size, saved=None, cluster=None):
-    """Every rank trains the chain model for ``cases.ROUNDS`` rounds (:func:`cases.run_with_snapshot`), taking a
-    snapshot after round 2, or resuming there from ``saved`` (the snapshots of such a run). Returns each rank's
-    (final model state, bytes, snapshot)."""
-    total, take_at = cases.ROUNDS * cases.LOCAL_STEPS, 2 * cases.LOCAL_STEPS
-    models = [cases.make_model("chain", r) for r in range(num_nodes * local_size)]
-    structure = Structure.resolve(models[0], config)
-
-    def rank_run(rank):
-        model = models[rank.topo.rank]
-        eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
-        return cases.run_with_snapshot(eng, model, cases.sgd(model), rank.topo.rank, total, take_at,
-                                       None if saved is None else saved[rank.topo.rank])
-    return run_ranks(num_nodes, local_size, rank_run, cluster=cluster)
 
 
 @pytest.mark.parametrize("acceleration", ["fast-admm", "nesterov"])

@@ -133,13 +133,13 @@ class ConsensusConfig:
       "Momentum across rounds"): ``"nesterov"`` at β = 0.5 ended digits at 99.22% against 98.44% and reached
       95% after 8.0 epochs against 10.2, and the synthetic task's 80% after 4.8 against 5.2, but cost
       ResNet-18 2.7 points (95.09% against 97.78%) and most of an epoch to 80% (5.2 against 4.3); β = 0.3 and
-      0.9 the same pattern. Longer rounds suit it: with 22 steps a round instead of 11, ResNet-18 reached 80%
-      an epoch sooner than the recipe and ended 0.8 points lower (2 seeds). ``"fast-admm"`` learned as the recipe (95% on digits after 9.8 epochs, 80% on
-      ResNet-18 after 4.3): residual balancing changes ρ2 in most early rounds and each change restarts it,
-      so its momentum builds only once ρ settles (ResNet-18: from round 10 of 32, after the freeze at round 8,
-      γ rising to 0.8); it ended ResNet-18 1.2 points lower. Off by default, here and
-      in ``prunex-hvd train``: the same trade as every lever on the recipe's consensus so far (digits gains,
-      ResNet-18 loses). Not with ``overlap`` or racks yet.
+      0.9 the same pattern. Longer rounds may suit it: with 22 steps a round instead of 11, ResNet-18 reached
+      80% an epoch sooner than the recipe and ended 0.8 points lower (2 seeds: a lead). ``"fast-admm"`` learned
+      as the recipe (95% on digits after 9.8 epochs, 80% on ResNet-18 after 4.3): residual balancing changes ρ2
+      in most early rounds and each change restarts it, so its momentum builds only once ρ settles (ResNet-18:
+      from round 10 of 32, after the freeze at round 8, γ rising to 0.8); it ended ResNet-18 1.2 points lower.
+      Off by default, here and in ``prunex-hvd train``: the same trade as every lever on the recipe's consensus
+      so far (digits gains, ResNet-18 loses). Not with ``overlap`` or racks yet.
     * ``rack_tier`` / ``rho3`` — with racks (``nodes_per_rack``, or Slurm's leaf switches) and more than one
       rack, a consensus w_r per rack sits between the nodes' z_i and the global z (docs/algorithm.md, "A third
       tier: racks"): nodes agree with their rack over the rack's switch (``rho2`` is then the pull toward w_r),
