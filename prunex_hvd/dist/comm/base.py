@@ -142,7 +142,12 @@ class Communicator:
         with self._worker_lock:
             if self._worker is None:
                 self._worker = _CommThread(f"prunex-{self.tier}-comm")
-        return self._worker.submit(self._allreduce, tensor, op).result
+        return self._worker.submit(self._allreduce_in_background, tensor, op).result
+
+    def _allreduce_in_background(self, tensor, op):
+        """What the communication thread runs for an async allreduce: the blocking one, unless the backend has
+        a way that leaves the cores to the local steps computing meanwhile (MPI)."""
+        self._allreduce(tensor, op)
 
     def _bor(self, mask):
         raise NotImplementedError
