@@ -103,11 +103,13 @@ class ConsensusConfig:
       - Over 3 seeds, 0.80 test accuracy came after 4.29 epochs overlapped once frozen, 5.35 overlapped every
         round and 4.17 blocking. The final accuracy was 98.24% once frozen and 97.22% every round, against
         98.24% blocking.
-      - On the emulated cluster at 100 Mbit/s (4 seeds, each side by side): a frozen round's wait on the
-        exchange fell from ~1.3 s to 0.009–0.029 s, and training took 0.88–0.93× the wall time. But the
-        targets did not come sooner: summed over the seeds, 0.97× the time to 0.80 (the same math until the
-        masks freeze), 1.03× to 0.90 and 1.19× to 0.95. Final accuracy averaged 97.92% against 98.40%.
-        Overlapping every round took 50.2 s to 0.80 against 34.8 s (seed 0).
+      - On the emulated cluster at 100 Mbit/s, 6 seeds side by side, with MPI's exchange as a polled ring
+        (2026-11-26): a frozen round's wait fell from ~1.3 s to 0.016–0.049 s, training took 0.88× the wall
+        time, and the targets came sooner in sum: 0.97× the time to 0.80 (the same math until the masks
+        freeze), 0.99× to 0.90, 0.92× to 0.95, with final accuracy level (96.99% against 96.94%). Per epoch
+        it trails by ~0.3 epochs: the margin at 0.80 and 0.90 is within seed noise. Before the ring (the
+        blocking call spinning on the exchange's thread, 4 seeds on another machine) it was 0.97×, 1.03× and
+        1.19×. Overlapping every round took 50.2 s to 0.80 against 34.8 s (seed 0).
       Off by default, here and in ``prunex-hvd train``: turn it on where a round's transfer is a large share
       of its time.
     * ``rho1`` — pull of each rank's θ toward its node consensus z_i, added to every gradient. Larger: ranks of
