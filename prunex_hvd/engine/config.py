@@ -109,7 +109,9 @@ class ConsensusConfig:
         freeze), 0.99× to 0.90, 0.92× to 0.95, with final accuracy level (96.99% against 96.94%). Per epoch
         it trails by ~0.3 epochs: the margin at 0.80 and 0.90 is within seed noise. Before the ring (the
         blocking call spinning on the exchange's thread, 4 seeds on another machine) it was 0.97×, 1.03× and
-        1.19×. Overlapping every round took 50.2 s to 0.80 against 34.8 s (seed 0).
+        1.19×. At 1 Gbit/s (3 seeds) it hid 96% of a 0.23 s wait but took 1.01× the wall time: a frozen
+        overlapped round costs ~0.3 s more compute on that host. Overlapping every round took 50.2 s to
+        0.80 against 34.8 s (seed 0).
       Off by default, here and in ``prunex-hvd train``: turn it on where a round's transfer is a large share
       of its time.
     * ``rho1`` — pull of each rank's θ toward its node consensus z_i, added to every gradient. Larger: ranks of
