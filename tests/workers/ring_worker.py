@@ -4,7 +4,9 @@ blocking allreduce, on every group of a 2 nodes × 2 launch: the world (4 member
     mpirun -np 4 python ring_worker.py --out DIR
 
 For each dtype, op and length (0, shorter than the group, not a multiple of it, long) both allreduces run on
-the same input and must agree bit for bit, and float sums must equal the sum computed here. Two async
+the same input. Every member must end with the same result. It must be the blocking one's bits where only one
+order of adds exists (2 members, max, integers); elsewhere (float sums on 4 members) it must equal the float64
+sum computed here up to the rounding of each add. Two async
 allreduces are in flight at once while the node group runs blocking collectives, as the overlapped round's
 leaders exchange while their node steps. Writes OUT/rank{R}.json."""
 import argparse

@@ -67,7 +67,8 @@ class MPICommunicator(Communicator):
         if size > 1 and flat.numel():
             scratch = torch.empty(bounds[-1] - bounds[-2], dtype=flat.dtype)   # the widest chunk
             for step in range(size - 1):       # reduce-scatter: member r ends with chunk r + 1 complete
-                mine, incoming = chunk(me - step - 1), scratch[:chunk(me - step - 1).numel()]
+                mine = chunk(me - step - 1)
+                incoming = scratch[:mine.numel()]
                 self._send_recv_polled(chunk(me - step), incoming)
                 if op == "max":
                     torch.maximum(mine, incoming, out=mine)
