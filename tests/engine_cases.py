@@ -366,7 +366,8 @@ def overlapped_rounds(eng, model, step, x, y, consensus, rounds=ROUNDS, steps=LO
     ``overlap_steps`` of its local steps), θ and the buffers just before that fold and the local step it came
     after, and θ with the proximal gradient while it is in flight; ``consensus()`` runs a round and returns
     its report."""
-    rec = {"before": [], "after": [], "pre_fold": [], "fold_step": [], "launched": [], "reports": []}
+    rec = {"before": [], "after": [], "pre_fold": [], "fold_step": [], "launched": [], "reports": [],
+           "folded_prox": []}
     count = {"steps": 0}
     fold = eng._fold
 
@@ -375,6 +376,7 @@ def overlapped_rounds(eng, model, step, x, y, consensus, rounds=ROUNDS, steps=LO
         rec["fold_step"].append(count["steps"])
         out = fold()
         rec["after"].append(snapshot(eng))
+        rec["folded_prox"].append(prox_gradient(eng))   # what the steps after the fold add
         return out
     eng._fold = watched_fold
 
@@ -394,6 +396,7 @@ def overlapped_rounds(eng, model, step, x, y, consensus, rounds=ROUNDS, steps=LO
             rec["after"].append(snapshot(eng))
             rec["pre_fold"].append(None)
             rec["fold_step"].append(None)
+            rec["folded_prox"].append(None)
         rec["launched"].append({"theta": theta_of(model), "prox": prox_gradient(eng), "in_flight": eng._in_flight is not None})
     count["steps"] = 0   # the last round is folded in by complete(), with no steps after it
     eng.complete()
@@ -458,6 +461,12 @@ def check_overlapped_round(rnd, recs, node_ranks, eng):
             target = {"global": want["z"][name], "node": z_i[name]}.get(restart, b["theta"][name])
             folded = pre_fold[name] + (target - b["theta"][name])   # rebased: the steps since, on the consensus
             compare(f"round {rnd} rank {r} theta[{name}] after the fold", after[r]["theta"][name], folded, ulp=ulp)
+            a = after[r]   # the steps after the fold pull toward the folded z_i, with its u, at the new ρ1
+            prox = a["rho1"][name] * (a["theta"][name].double() - a["z_i"][name].double() + a["u"][name].double())
+            if a["frozen"] and name in a["masks"]:
+                prox = prox * torch.outer(*a["masks"][name]).reshape(prox.shape)
+            compare(f"round {rnd} rank {r} proximal gradient[{name}] after the fold", rec["folded_prox"][rnd][name],
+                    prox.float())
         for name in b["buffers"]:   # a rank's own running statistics follow its steps: the fold leaves them
             assert torch.equal(after[r]["buffers"][name], pre_fold[name]), (rnd, r, name)
     return out

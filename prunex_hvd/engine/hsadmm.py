@@ -262,13 +262,16 @@ class HSADMM:
         """Cache ρ1(u − z_i) and group entries by ρ1, so a step is two fused foreach adds per group. A half
         precision model caches z_i − u instead (see :meth:`add_proximal_grad`). With a round in flight
         (``overlap``) the steps already pull toward its z_i, with its u (u + (θ − z_i)), at the ρ1 they had."""
-        f = self._in_flight
-        us = [e.u + du for e, du in zip(self.entries, f.du)] if f is not None else [e.u for e in self.entries]
-        z_is = f.z_i if f is not None else [e.z_i for e in self.entries]
-        if self.state_dtype == self.dtype:
-            self._shift = [(u - z_i).mul_(e.rho1) for e, u, z_i in zip(self.entries, us, z_is)]
-        else:
-            self._shift = [z_i - u for u, z_i in zip(us, z_is)]
+        f, same = self._in_flight, self.state_dtype == self.dtype
+        self._shift = []
+        for k, e in enumerate(self.entries):   # one new tensor each: u + du is formed in it (the fold's u, bitwise)
+            z_i = e.z_i if f is None else f.z_i[k]
+            if f is None:
+                shift = (e.u - z_i).mul_(e.rho1) if same else z_i - e.u
+            else:
+                u = torch.add(e.u, f.du[k])
+                shift = u.sub_(z_i).mul_(e.rho1) if same else torch.sub(z_i, u, out=u)
+            self._shift.append(shift)
         groups: Dict[float, List[int]] = {}
         for k, e in enumerate(self.entries):
             groups.setdefault(e.rho1, []).append(k)
@@ -399,6 +402,7 @@ class HSADMM:
                 own_buffers: bool = False, w_new: Optional[List[torch.Tensor]] = None) -> None:
         """Phases 5–9 once the exchange has arrived in ``layout`` (``du``, ``own_buffers``: see
         :meth:`_update_duals`; ``w_new``: the racks' new w_r); a refused round puts the masks back and raises.
+        With ``du`` (overlap) the proximal cache already holds this round's u and z_i, and is kept unless ρ1 moved.
         Returns the round's summed residual squares and the top tier's s² (:meth:`_verdict`)."""
         z_new = self._recover(layout)                 # 5. recovery of z
         try:                                          # 6. verdict, from the job-wide residual sum
@@ -407,7 +411,10 @@ class HSADMM:
             self._restore_mask_state(masks_before)
             raise
         self._update_duals(z_i_new, z_new, layout, du=du, own_buffers=own_buffers, w_new=w_new)   # 7. duals
+        rho1_before = [e.rho1 for e in self.entries]
         self._adapt_rho(totals, s_top_sq)             # 8. residuals and adaptive ρ
+        if du is None or rho1_before != [e.rho1 for e in self.entries]:
+            self._refresh_prox()
         self.round += 1
         self._maybe_freeze()                          # 9. freezing
         return totals, s_top_sq
@@ -422,11 +429,12 @@ class HSADMM:
         wait = self._fold() if self._in_flight is not None else 0.0
         nonfinite, z_i_new, masks_before, layout = self._start()   # 1–4 (the mask OR blocks; it is small)
         du = [self._relaxed_theta(e).sub(z) for e, z in zip(self.entries, z_i_new)]   # u's step, θ as sent
+        theta_sq = [admm.sq_norm(d) for d in du] if self.config.relaxation == 1.0 else self._theta_sq(z_i_new)
         with self.ledger.tagged("consensus"):         # 4. the exchange starts; the node goes on stepping
             works = [self.groups.inter.allreduce_async_(buf, "avg") for buf in layout.buffers] \
                 if self.groups.inter is not None else []
         self._in_flight = _InFlight(steps=steps, nonfinite=nonfinite, z_i=z_i_new, du=du,
-                                    theta_sq=self._theta_sq(z_i_new), masks_before=masks_before, layout=layout,
+                                    theta_sq=theta_sq, masks_before=masks_before, layout=layout,
                                     works=works, pending_ef=self._pending_ef,
                                     theta_sent=[e.param.detach().clone() for e in self.entries]
                                     if self.config.restart != "none" else None)
@@ -466,7 +474,7 @@ class HSADMM:
             with torch.no_grad():
                 for e, sent in zip(self.entries, f.theta_sent):
                     target = e.z if self.config.restart == "global" else e.z_i
-                    e.param.add_(target.to(e.param.dtype) - sent)
+                    e.param.add_(sent.neg_().add_(target.to(e.param.dtype)))   # θ_sent is not needed again
         return wait
 
     def complete(self) -> None:
@@ -718,7 +726,8 @@ class HSADMM:
 
     def _adapt_rho(self, totals: torch.Tensor, s_top_sq: List[float]) -> None:
         """Phase 8: per-layer residuals; residual balancing of ρ1 (and of ρ2 where there is an inter-node tier, ρ3
-        where there are racks), then the ``rho_growth`` schedule; the scaled duals rescaled with them."""
+        where there are racks), then the ``rho_growth`` schedule; the scaled duals rescaled with them (the caller
+        refreshes the proximal cache)."""
         changed = []
         c = self.config
         for k, e in enumerate(self.entries):
@@ -751,7 +760,6 @@ class HSADMM:
         if changed and self.topo.rank == 0:
             shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
             log.info("round %d: rho changed %d time(s): %s", self.round + 1, len(changed), shown)
-        self._refresh_prox()
 
     def _maybe_freeze(self) -> None:
         """Phase 9: freeze after ``freeze_round`` rounds or ``freeze_patience`` rounds without a mask change."""
