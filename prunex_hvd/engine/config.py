@@ -109,9 +109,11 @@ class ConsensusConfig:
         freeze), 0.99× to 0.90, 0.92× to 0.95, with final accuracy level (96.99% against 96.94%). Per epoch
         it trails by ~0.3 epochs: the margin at 0.80 and 0.90 is within seed noise. Before the ring (the
         blocking call spinning on the exchange's thread, 4 seeds on another machine) it was 0.97×, 1.03× and
-        1.19×. At 1 Gbit/s (3 seeds) it hid 96% of a 0.23 s wait but took 1.01× the wall time: a frozen
-        overlapped round costs ~0.3 s more compute on that host. Overlapping every round took 50.2 s to
-        0.80 against 34.8 s (seed 0).
+        1.19×. Overlapping every round took 50.2 s to 0.80 against 34.8 s (seed 0).
+      - At 1 Gbit/s the exchange is 0.21 s of a 5.0 s round. With ``overlap_steps=1`` (6 seeds) a frozen round
+        took 0.97× blocking's, the run 0.971× the wall time, and 0.90 / 0.95 came 0.98× as late in sum, 0.80
+        1.007× (it falls 5 rounds after the freeze); final 96.81% against 96.94%. Four steps in flight took
+        0.999× the wall time there: fold after the fewest steps that cover the exchange.
       Off by default, here and in ``prunex-hvd train``: turn it on where a round's transfer is a large share
       of its time.
     * ``rho1`` — pull of each rank's θ toward its node consensus z_i, added to every gradient. Larger: ranks of
