@@ -419,6 +419,15 @@ def check_overlapped_rounds(recs, node_ranks, eng, rounds=ROUNDS):
     return out
 
 
+def expected_prox(state, name, theta, z_i, u):
+    """ρ1(θ − z_i + u) at ``state``'s ρ1 (a snapshot), on the frozen structure once its masks are frozen: what
+    :func:`prox_gradient` reads from the engine."""
+    prox = state["rho1"][name] * (theta.double() - z_i.double() + u.double())
+    if state["frozen"] and name in state["masks"]:
+        prox = prox * torch.outer(*state["masks"][name]).reshape(prox.shape)
+    return prox.float()
+
+
 def check_overlapped_round(rnd, recs, node_ranks, eng):
     """The delayed math (docs/algorithm.md, "Overlapped rounds") for round ``rnd``, from every rank's
     :func:`overlapped_rounds` record: once folded in, u, z_i, v, z, ρ, masks and buffers are the blocking round's
@@ -454,19 +463,14 @@ def check_overlapped_round(rnd, recs, node_ranks, eng):
             assert torch.equal(flight["theta"][name], b["theta"][name]), (rnd, r, name)   # steps go on from θ
             u = b["u"][name].double() + alpha * b["theta"][name].double() + (1 - alpha) * b["z_i"][name].double() \
                 - z_i[name].double()
-            prox = b["rho1"][name] * (flight["theta"][name].double() - z_i[name].double() + u)
-            if b["frozen"] and name in b["masks"]:
-                prox = prox * torch.outer(*b["masks"][name]).reshape(prox.shape)
-            compare(f"round {rnd} rank {r} proximal gradient[{name}] in flight", flight["prox"][name], prox.float())
+            compare(f"round {rnd} rank {r} proximal gradient[{name}] in flight", flight["prox"][name],
+                    expected_prox(b, name, flight["theta"][name], z_i[name], u))
             target = {"global": want["z"][name], "node": z_i[name]}.get(restart, b["theta"][name])
             folded = pre_fold[name] + (target - b["theta"][name])   # rebased: the steps since, on the consensus
             compare(f"round {rnd} rank {r} theta[{name}] after the fold", after[r]["theta"][name], folded, ulp=ulp)
             a = after[r]   # the steps after the fold pull toward the folded z_i, with its u, at the new ρ1
-            prox = a["rho1"][name] * (a["theta"][name].double() - a["z_i"][name].double() + a["u"][name].double())
-            if a["frozen"] and name in a["masks"]:
-                prox = prox * torch.outer(*a["masks"][name]).reshape(prox.shape)
             compare(f"round {rnd} rank {r} proximal gradient[{name}] after the fold", rec["folded_prox"][rnd][name],
-                    prox.float())
+                    expected_prox(a, name, a["theta"][name], a["z_i"][name], a["u"][name]))
         for name in b["buffers"]:   # a rank's own running statistics follow its steps: the fold leaves them
             assert torch.equal(after[r]["buffers"][name], pre_fold[name]), (rnd, r, name)
     return out
