@@ -116,6 +116,8 @@ VARIANTS: Dict[str, str] = {
     "prunex-fast-admm-fixed-rho": "--method prunex --sparsity channel:0.5 --acceleration fast-admm --no-adaptive-rho",
     **{f"prunex-nesterov{str(b).replace('.', '')}": f"--method prunex --sparsity channel:0.5 --acceleration nesterov "
                                                     f"--outer-momentum {b}" for b in (0.3, 0.5, 0.9)},
+    # the retraining phase (after the freeze): the recipe's ADMM, or plain averaging of the pruned model
+    **{f"prunex-retrain-{r}": f"--method prunex --sparsity channel:0.5 --retrain {r}" for r in ("admm", "average")},
     "prunex-overlap": "--method prunex --sparsity channel:0.5 --overlap",   # the recipe, overlapped once frozen
     **{f"prunex-overlap-s{k}": f"--method prunex --sparsity channel:0.5 --overlap --overlap-steps {k}"
        for k in (1, 2, 4)},

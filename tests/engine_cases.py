@@ -262,7 +262,7 @@ def expected_round(rnd, before, after, node_ranks, eng):
                            round_specs={n: ramped_spec(s, rnd + 1, c.keep_ramp_rounds) for n, s in specs.items()},
                            payload=eng.payload_dtype if eng.delta_coded else None,
                            racks=[list(r) for r in eng.topo.racks] if eng.rack_tier else None, heads=eng.heads,
-                           acceleration=eng.acceleration, outer_momentum=c.outer_momentum)
+                           acceleration=eng.acceleration, outer_momentum=c.outer_momentum, retrain=c.retrain)
 
 
 def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buffers=True):
@@ -295,7 +295,10 @@ def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buff
             if theta:
                 compare(f"round {rnd} rank {r} theta[{name}]", got["theta"][name], want["theta"][r][name], ulp=ulp)
             assert got["rho1"][name] == want["rho1"][name], (rnd, r, name, got["rho1"][name], want["rho1"][name])
-            assert got["rho2"][name] == want["rho2"][name], (rnd, r, name, got["rho2"][name], want["rho2"][name])
+            # (a tier in exact agreement, as a conv bias before BatchNorm with no ridge to pull z, balances float32
+            # noise against noise: there ρ2's step may go either way)
+            assert got["rho2"][name] == want["rho2"][name] or max(want["residuals"][name][2:4]) < 1e-6, \
+                (rnd, r, name, got["rho2"][name], want["rho2"][name], want["residuals"][name])
         for name, (rows, cols) in got["masks"].items():
             assert torch.equal(rows, want["masks"][name][0]) and torch.equal(cols, want["masks"][name][1]), \
                 (rnd, r, name)
@@ -559,7 +562,8 @@ def check_rack_ledger(res, per_round, masks, residuals, mask_itemsize=1):
         assert res["stats"]["inter_consensus_bytes"] == sum(want), f"rank {rank}"
 
 
-def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), payload_bytes=FLOAT_BYTES):
+def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), payload_bytes=FLOAT_BYTES,
+                  freeze_round=SETTINGS["freeze_round"]):
     """What every rank reported after ``ROUNDS`` rounds on M nodes × P ranks: the reference checks ran; the
     leaders' inter-node payload is exactly the compact sizes (plus masks and the residual sum) while non-leaders
     send nothing across (with one node nothing crosses at all); the model is at the requested structure after
@@ -571,7 +575,7 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
     assert results[0]["streams"] == [list(map(list, s)) for s in streams]
     ref_rounds = results[0]["ref_rounds"]
     assert results[0]["checks"] == size * ROUNDS and len(ref_rounds) == ROUNDS
-    assert [r["frozen_before"] for r in ref_rounds] == [False, False, False, True]  # freeze_round=3
+    assert [r["frozen_before"] for r in ref_rounds] == [rnd >= freeze_round for rnd in range(ROUNDS)]
     shapes, numels = results[0]["shapes"], results[0]["numels"]
     dense_numel = sum(n for name, n in numels.items() if name not in specs) + results[0]["buffer_numel"]
     mask_bytes = sum(shapes[n][0] + math.prod(shapes[n][1:]) for n in specs) * mask_itemsize

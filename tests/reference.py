@@ -160,12 +160,12 @@ def _payload_average(sent):
     return _payload_sum(sent).div_(len(sent)).float()
 
 
-def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload, out):
+def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload, out, averaging=False):
     """The rack and global steps of one entry, on the global ``support``: w_r = (ρ2·Σ_{i∈r}(z_i + v_i) +
     ρ3·(z − t_r)) / (N·ρ2 + ρ3), z = mean_r(w_r + t_r). With a narrow ``payload`` each sum travels as rounded
     changes with error feedback: z_i + v_i − w_r + e_i (node leaders, ``ef``), w_r + t_r − z + f_r (rack
     leaders, ``ef_spine``); the new errors and the payload step go into ``out``. Returns (w, t, w_old per rack,
-    z)."""
+    z). ``averaging`` (retrain="average" once frozen): w_r = mean_{i∈r} z_i, the duals at 0."""
     d = lambda x: x.double()  # noqa: E731
     rho2, rho3, N = states[0]["rho2"][name], states[0]["rho3"][name], len(racks[0])
     leader = [node_ranks[nodes[0]][0] for nodes in racks]   # a rank of the rack, holding its w_r and t_r
@@ -183,7 +183,8 @@ def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload
                 out["ef"][name][i] = error
             sums.append(d(_payload_sum(sent).float()) + N * w_old[k] * support)
             ulps.append(payload_ulp(sent))
-    w = [support * (rho2 * sums[k] + rho3 * (z_old - t[k])) / (N * rho2 + rho3) for k in range(len(racks))]
+    w = [support * (sums[k] / N if averaging else (rho2 * sums[k] + rho3 * (z_old - t[k])) / (N * rho2 + rho3))
+         for k in range(len(racks))]
     if payload is None:
         return w, t, w_old, torch.stack([w[k] + t[k] for k in range(len(racks))]).mean(0) * support
     sent, out["ef_spine"][name] = _rounded_changes([(w[k] + t[k]).float() for k in range(len(racks))],
@@ -195,7 +196,8 @@ def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload
 
 def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, balance_upper=True,
                     freezes=False, couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0,
-                    round_specs=None, payload=None, racks=None, heads=(), acceleration="none", outer_momentum=0.5):
+                    round_specs=None, payload=None, racks=None, heads=(), acceleration="none", outer_momentum=0.5,
+                    retrain="admm"):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
     frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers, and θ
     per rank (where ``restart`` moves it). ``adaptive``: residual balancing of ρ1, and with ``balance_upper``
@@ -209,13 +211,16 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
     ``racks`` (the nodes of every rack; docs/algorithm.md, "A third tier: racks"): three tiers, z_i answering to
     its rack's w_r (``w``, ``t``, ``rho3`` in the states, returned per rack); no payload or relaxation there.
     ``acceleration`` (M > 1, two tiers): the round leans on the extrapolated ``z_hat`` of the states in place of
-    z (the candidate, the relaxed z_i, s_inter), and ends with :func:`reference_extrapolation`."""
+    z (the candidate, the relaxed z_i, s_inter), and ends with :func:`reference_extrapolation`. ``retrain``
+    "average": once frozen, z_i = mean_j(θ̂_ij + u_ij) (w_r likewise), no dual ascent and ρ held (all 0 since
+    the freeze); the round that freezes zeroes the duals and the ρ's after its freeze."""
     M, P = len(node_ranks), len(node_ranks[0])
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
     rack_of = {i: k for k, nodes in enumerate(racks or ()) for i in nodes}
     assert not racks or (relaxation == 1.0 and acceleration == "none")
     accelerated = acceleration != "none" and M > 1
     frozen = states[0]["frozen"]
+    averaging = frozen and retrain == "average"
     out = {"u": [{} for _ in states], "z_i": [{} for _ in range(M)], "v": [{} for _ in range(M)], "z": {},
            "rho1": {}, "rho2": {}, "masks": {}, "sent_masks": {}, "node_masks": {}, "buffers": {}, "residuals": {},
            "ef": {}, "buffer_ef": {}, "ulp": {}, "w": [{} for _ in racks or ()], "t": [{} for _ in racks or ()], "rho3": {},
@@ -233,7 +238,8 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
         for i, ranks in enumerate(node_ranks):
             node_sum = sum(relaxed_theta[name][r] + d(states[r]["u"][name]) for r in ranks)
             upper = d(states[ranks[0]]["w"][name]) if racks else z_old   # the consensus z_i answers to
-            cands[name].append((rho1 * node_sum + rho2 * (upper - d(states[ranks[0]]["v"][name])))
+            cands[name].append(node_sum / P if averaging else
+                               (rho1 * node_sum + rho2 * (upper - d(states[ranks[0]]["v"][name])))
                                / (weight_decay_z / M + P * rho1 + rho2))
     projected = [reference_masks({n: cands[n][i].float() for n in specs}, round_specs or specs, couplings, streams,
                                  heads) for i in range(M)]
@@ -258,7 +264,8 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
         v = [d(states[ranks[0]]["v"][name]) for ranks in node_ranks]
         relaxed_z_i = [alpha * z_i[i] + (1 - alpha) * z_old for i in range(M)]
         if racks:
-            w, t, w_old, z = _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload, out)
+            w, t, w_old, z = _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload, out,
+                                         averaging)
             upper = [w[rack_of[i]] for i in range(M)]
         elif payload is None:
             z = torch.stack([relaxed_z_i[i] + v[i] for i in range(M)]).mean(0) * support
@@ -290,20 +297,24 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
         new2 = _adapt(rho2, r_inter, s_inter, rho_max) if adaptive and balance_upper and M > 1 else rho2
         new1 = min(new1 * rho_growth, rho_max)
         new2 = min(new2 * rho_growth, rho_max) if M > 1 else new2
+        if averaging:   # no penalties: ρ stays 0 and so do the duals
+            new1, new2 = rho1, rho2
         if racks:
             rho3 = states[0]["rho3"][name]
-            new3 = min((_adapt(rho3, r_spine, s_spine, rho_max) if adaptive and balance_upper else rho3) * rho_growth,
-                       rho_max)
+            new3 = rho3 if averaging else \
+                min((_adapt(rho3, r_spine, s_spine, rho_max) if adaptive and balance_upper else rho3) * rho_growth,
+                    rho_max)
             out["rho3"][name] = new3
             for k in range(len(racks)):
                 out["w"][k][name] = w[k].float()
-                out["t"][k][name] = ((t[k] + w[k] - z) * (rho3 / new3)).float()
+                out["t"][k][name] = t[k].float() if averaging else ((t[k] + w[k] - z) * (rho3 / new3)).float()
         for i in range(M):
             out["z_i"][i][name] = z_i[i].float()
-            out["v"][i][name] = ((v[i] + relaxed_z_i[i] - upper[i]) * (rho2 / new2)).float()
+            out["v"][i][name] = v[i].float() if averaging else \
+                ((v[i] + relaxed_z_i[i] - upper[i]) * (rho2 / new2)).float()
         for r, s in enumerate(states):
-            out["u"][r][name] = ((d(s["u"][name]) + relaxed_theta[name][r] - z_i[node_of[r]])
-                                 * (rho1 / new1)).float()
+            out["u"][r][name] = s["u"][name].float() if averaging else \
+                ((d(s["u"][name]) + relaxed_theta[name][r] - z_i[node_of[r]]) * (rho1 / new1)).float()
         out["z"][name] = z.float()
         out["rho1"][name], out["rho2"][name] = new1, new2
         out["residuals"][name] = (r_intra, s_intra) + ((r_inter, s_inter) if M > 1 else ()) + \
@@ -315,6 +326,13 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             out["z"][name] = out["z"][name] * torch.outer(rows, cols).reshape(out["z"][name].shape)
             for w in out["w"]:   # with racks, w_r is cut to the frozen structure as z is
                 w[name] = w[name] * torch.outer(rows, cols).reshape(w[name].shape)
+        if retrain == "average":   # from the next round on the rounds average: no penalties, no duals
+            for name in out["z"]:
+                for dual in [out["u"][r] for r in range(len(states))] + out["v"] + out["t"]:
+                    dual[name] = torch.zeros_like(dual[name])
+                out["rho1"][name] = out["rho2"][name] = 0.0
+                if racks:
+                    out["rho3"][name] = 0.0
     for name in states[0]["buffers"]:
         if payload is None:
             out["buffers"][name] = torch.stack([d(s["buffers"][name]) for s in states]).mean(0).float()

@@ -42,6 +42,9 @@ KNOBS = ConsensusConfig.knob_names()
     ({"outer_momentum": True}, r"outer_momentum must be a number in \[0, 1\), got True"),
     ({"acceleration": "fast-admm", "hierarchical": False}, r"acceleration='fast-admm' acts on the inter-node tier"),
     ({"acceleration": "nesterov", "overlap": True}, r"acceleration='nesterov' is not available with overlap=True"),
+    ({"retrain": "sgd"}, r"retrain must be one of admm, average, got 'sgd'"),
+    ({"retrain": "average", "weight_decay_z": 0.1}, r"retrain='average' drops .* weight_decay_z=0\.1"),
+    ({"retrain": "average", "acceleration": "fast-admm"}, r"acceleration='fast-admm' extrapolates the duals"),
 ])
 def test_a_bad_knob_is_refused_when_the_config_is_made(knobs, message):
     with pytest.raises(ValueError, match=message):
@@ -88,7 +91,7 @@ def test_ranks_compare_every_knob():
                "hierarchical": False, "restart": "node", "relaxation": 1.5, "rho_growth": 1.3,
                "keep_ramp_rounds": 4, "node_sync": True, "payload_dtype": "bf16", "overlap": True,
                "overlap_steps": 2, "overlap_after_freeze": False, "rho3": 0.1, "rack_tier": False,
-               "acceleration": "fast-admm", "outer_momentum": 0.9}
+               "acceleration": "fast-admm", "outer_momentum": 0.9, "retrain": "average"}
     assert set(changed) == set(KNOBS)
     needs = {"overlap_steps": {"overlap": True}}   # a knob that only means something with another
     for name, value in changed.items():
@@ -106,7 +109,7 @@ def test_ranks_compare_every_knob():
                           node_sync="round", payload_dtype="round", overlap="round",
                           overlap_steps="round", overlap_after_freeze="round", rho3="rho",
                           acceleration="round", outer_momentum="round",
-                          rack_tier="round").get(name, name)}), name
+                          rack_tier="round", retrain="freezing").get(name, name)}), name
         agreed = base.agreement(Structure.resolve(model, base))
 
 

@@ -55,7 +55,11 @@ LEVERS = {"paper-round": dict(restart="none"),   # the default restarts: this ke
           "fast-admm-recipe": dict(restart="global", node_sync=True, payload_dtype="bf16", acceleration="fast-admm"),
           "nesterov-relaxed": dict(restart="global", acceleration="nesterov", outer_momentum=0.5, relaxation=1.6),
           "nesterov-bf16": dict(restart="global", node_sync=True, payload_dtype="bf16", acceleration="nesterov",
-                                outer_momentum=0.9)}
+                                outer_momentum=0.9),
+          # the retraining phase as plain averaging: masks frozen after round 2, rounds 3-4 average
+          "average": dict(retrain="average", weight_decay_z=0.0, freeze_round=2),
+          "average-recipe": dict(retrain="average", weight_decay_z=0.0, freeze_round=2, node_sync=True,
+                                 payload_dtype="bf16", relaxation=1.3, acceleration="nesterov")}
 LEVER_RUNS = [((2, 2), "channel", "paper-round"), ((2, 3), "mixed", "paper-round"), ((2, 3), "channel", "restart-node"),
               ((2, 2), "mixed", "relaxed"), ((2, 3), "channel", "all"), ((1, 3), "channel", "all"),
               ((2, 2), "coupled", "all"), ((2, 2), "streams", "all"), ((2, 2), "channel", "bf16"),
@@ -63,7 +67,8 @@ LEVER_RUNS = [((2, 2), "channel", "paper-round"), ((2, 3), "mixed", "paper-round
               ((2, 3), "mixed", "fixed-rho"), ((2, 2), "channel", "hold-rho2"), ((2, 3), "coupled", "hold-rho2"),
               ((2, 2), "channel", "fast-admm"), ((3, 1), "mixed", "fast-admm"), ((1, 3), "channel", "fast-admm"),
               ((2, 3), "coupled", "fast-admm-recipe"), ((2, 2), "mixed", "nesterov-relaxed"),
-              ((2, 3), "channel", "nesterov-bf16")]
+              ((2, 3), "channel", "nesterov-bf16"), ((2, 2), "channel", "average"), ((2, 3), "mixed", "average"),
+              ((1, 3), "channel", "average"), ((2, 3), "coupled", "average-recipe")]
 
 
 def train_on_threads(num_nodes, local_size, kind, sparsity, coupled, nodes_per_rack=None, **knobs):
@@ -122,6 +127,10 @@ def test_rounds_match_the_reference(layout, case, levers):
         round2 = list(ref_rounds[1]["gamma"].values())
         assert 0.0 in round2 and max(round2) > 0.28, round2
         assert not any(ref_rounds[2]["gamma"].values()), ref_rounds[2]["gamma"]
+    if levers and levers.startswith("average"):   # the rounds after the freeze averaged: no penalty, no dual left
+        last = runs[0]["after"][-1]
+        assert last["frozen"] and not any(last["rho1"].values()) and not any(last["rho2"].values())
+        assert not any(bool(t.any()) for key in ("u", "v") for t in last[key].values())
     for rank in cluster:   # every record as the ring model puts it: only the leaders' ring crosses nodes
         for rec in rank.ledger.records:
             crossing = rec.tier == "inter" and num_nodes > 1
@@ -140,7 +149,7 @@ def check_against_the_reference(cluster, runs, want_specs, want_pairs, want_stre
     results = [run["result"] for run in runs]
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
     cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
-                        payload_bytes=eng.payload_dtype.itemsize)
+                        payload_bytes=eng.payload_dtype.itemsize, freeze_round=eng.config.freeze_round)
     return ref_rounds
 
 
@@ -195,7 +204,11 @@ OVERLAP_RUNS = {"2x2-channel": ((2, 2), "channel", {}),
                                                                          payload_dtype="bf16", overlap_steps=2)),
                 # the default: rounds 1-3 blocking, round 4 (masks frozen at round 3) overlapped
                 "2x2-recipe-after-freeze": ((2, 2), "channel", dict(node_sync=True, payload_dtype="bf16",
-                                                                     overlap_after_freeze=True, overlap_steps=1))}
+                                                                     overlap_after_freeze=True, overlap_steps=1)),
+                # ... retraining by averaging: frozen after round 2, rounds 3-4 overlapped averages
+                "2x3-recipe-average": ((2, 3), "mixed", dict(node_sync=True, payload_dtype="bf16", retrain="average",
+                                                              keep_ramp_rounds=2, weight_decay_z=0.0, freeze_round=2,
+                                                              overlap_after_freeze=True, overlap_steps=1))}
 
 
 @pytest.mark.parametrize("run", list(OVERLAP_RUNS))
@@ -212,9 +225,9 @@ def test_overlapped_rounds_match_the_delayed_reference(run):
     results = [run["result"] for run in runs]
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
     cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
-                        payload_bytes=eng.payload_dtype.itemsize)
+                        payload_bytes=eng.payload_dtype.itemsize, freeze_round=eng.config.freeze_round)
     overlapped = [True] * cases.ROUNDS if not knobs.get("overlap_after_freeze") else \
-        [r["frozen_before"] for r in ref_rounds]   # freeze_round=3: round 4 only
+        [r["frozen_before"] for r in ref_rounds]   # the rounds after freeze_round
     assert [r["in_flight"] for r in runs[0]["reports"]] == overlapped
     assert overlapped.count(True) >= 1
 
@@ -463,6 +476,31 @@ def test_accelerated_state_dict_resumes_bit_for_bit_and_fits_only_its_accelerati
         with pytest.raises(RankFailed, match=f"saved with acceleration='{saved_with}', resumed with "
                                              f"'{resumed_with}'"):
             job(resumed_with, saved=[r[2] for r in state])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
+def test_averaged_retraining_resumes_bit_for_bit_and_only_with_its_retrain(overlap):
+    """retrain="average": state_dict() after round 3 of 4 (masks frozen after round 2, the duals and ρ at 0),
+    loaded into fresh engines, ends bit for bit where the uninterrupted run ends; an engine with retrain="admm"
+    refuses that state on every rank, while a state from before the freeze loads into either."""
+    native.module()
+
+    def job(retrain, saved=None, take_at=3 * cases.LOCAL_STEPS):
+        config = ConsensusConfig(sparsity="channel:0.5", node_sync=True, payload_dtype="bf16", retrain=retrain,
+                                 overlap=overlap, **dict(cases.SETTINGS, weight_decay_z=0.0, freeze_round=2))
+        return resume_on_threads(config, 2, 2, saved, take_at=take_at)
+    whole = job("average")
+    resumed = job("average", saved=[r[2] for r in whole])
+    for r in range(4):
+        assert all(torch.equal(whole[r][0][k], resumed[r][0][k]) for k in whole[r][0]), f"rank {r}"
+    entries = whole[0][2]["engine"]["entries"]
+    assert whole[0][2]["engine"]["frozen"] and not any(e["rho1"] or e["rho2"] for e in entries.values())
+    with pytest.raises(RankFailed, match="saved after the masks froze with retrain='average', resumed with "
+                                         "retrain='admm'"):
+        job("admm", saved=[r[2] for r in whole])
+    early = job("admm", take_at=cases.LOCAL_STEPS)   # round 1: nothing differs yet
+    resumed = job("average", saved=[r[2] for r in early], take_at=cases.LOCAL_STEPS)
+    assert all(torch.equal(whole[r][0][k], resumed[r][0][k]) for r in range(4) for k in whole[r][0])
 
 
 def test_a_round_in_flight_is_refused_by_an_engine_without_overlap():

@@ -27,7 +27,10 @@ RACK_RUNS = [((4, 2, 2), "channel", {}),
              ((6, 1, 3), "coupled", dict(payload_dtype="bf16")),
              # beyond convs: heads and coupled MLP hidden units through the rack tier
              ((4, 1, 2), "vit-even", dict(payload_dtype="bf16")),
-             ((4, 2, 2), "mha-coupled", {})]
+             ((4, 2, 2), "mha-coupled", {}),
+             # the retraining phase averaged (rounds 3-4): the rack's w_r is its nodes' mean, the duals go
+             ((4, 2, 2), "channel", dict(retrain="average", weight_decay_z=0.0, freeze_round=2, node_sync=True,
+                                         payload_dtype="bf16"))]
 
 
 @pytest.mark.parametrize("shape,case,knobs", RACK_RUNS,

@@ -41,6 +41,13 @@ def node_candidate(node_sum: torch.Tensor, z: torch.Tensor, v: torch.Tensor, rho
     return (node_sum * rho1 + (z - v) * rho2) / denom
 
 
+def node_mean(node_sum: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """The consensus once the penalties are dropped (``retrain="average"``, after the masks freeze): the plain
+    mean of the ``count`` copies summed in ``node_sum`` (a node's θ, or a rack's z_i), as local SGD averages:
+    :func:`node_candidate`'s limit as ρ2/ρ1 → 0 with the duals at 0. A new tensor in ``dtype`` (the state's)."""
+    return node_sum.to(dtype) / count
+
+
 def node_objective(z_i: torch.Tensor, thetas: Sequence[torch.Tensor], us: Sequence[torch.Tensor],
                    z: torch.Tensor, v: torch.Tensor, rho1: float, rho2: float, num_nodes: int,
                    weight_decay_z: float = 0.0) -> torch.Tensor:

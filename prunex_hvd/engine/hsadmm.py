@@ -14,7 +14,9 @@ Every rank of node i holds the same z_i, v_i and z; leaders (local rank 0) alone
     that cannot be trusted is refused on every rank before any state changes
  7. v_i += z_i − z,  u += θ − z_i; the float buffers take the round's average
  8. residuals (r/s intra, r/s inter) per layer; adaptive ρ with dual rescaling
- 9. masks frozen when stable, at exactly the requested structure (then θ trains on it: the retraining phase)
+ 9. masks frozen when stable, at exactly the requested structure (then θ trains on it: the retraining phase;
+    with ``retrain="average"`` the ρ's and duals drop to 0 there, and the later rounds' steps 2 and 7 are the
+    node's plain mean (admm.node_mean) and nothing: hierarchical local SGD of the pruned model)
 10. where the next round starts: with ``acceleration`` the extrapolated ẑ (and v̂) it leans on in place of z (and
     v); with ``restart`` every rank's θ at the consensus (z or ẑ, or z_i)
 
@@ -313,7 +315,7 @@ class HSADMM:
         """grad += ρ1(θ − z_i + u): the gradient of the intra-node penalty (Eq. 8)."""
         for rho1, ks in self._prox_groups:
             live = [k for k in ks if self.entries[k].param.grad is not None]
-            if not live:
+            if not live or rho1 == 0.0:   # (retrain="average": no penalty once the masks froze)
                 continue
             grads = [self.entries[k].param.grad for k in live]
             thetas = [self.entries[k].param.detach() for k in live]
@@ -361,6 +363,12 @@ class HSADMM:
             if self.overlapping:
                 return self._overlapped_round(steps)
             return self._round(steps)
+
+    @property
+    def averaging(self) -> bool:
+        """Whether rounds now average instead of running ADMM: ``retrain="average"`` once the masks froze
+        (docs/algorithm.md, "The retraining phase")."""
+        return self.frozen and self.config.retrain == "average"
 
     @property
     def overlapping(self) -> bool:
@@ -511,6 +519,8 @@ class HSADMM:
         """Phase 2: the exact argmin in z_i of every entry (every rank of the node computes the same); with racks
         z_i's consensus above it is its rack's w_r, not z."""
         P, M = self.topo.local_size, self.topo.num_nodes
+        if self.averaging:   # retrain="average": the penalties are gone, z_i is the node's mean of θ
+            return [admm.node_mean(self._dense.views[k].view_as(e.z), P, e.z.dtype) for k, e in enumerate(self.entries)]
         return [admm.node_candidate(self._dense.views[k].view_as(e.z), e.w if self.rack_tier else e.anchor, e.v,
                                     e.rho1, e.rho2, P, M, self.config.weight_decay_z)
                 for k, e in enumerate(self.entries)]
@@ -577,7 +587,8 @@ class HSADMM:
         w_new = []                                    # (b) the rack candidate, the same on every rank of the rack
         sums = self._recover(layout, [e.w * N for e in self.entries] if self.delta_coded else None)
         for e, rack_sum in zip(self.entries, sums):
-            w = admm.rack_candidate(rack_sum, e.z, e.t, e.rho2, e.rho3, N)
+            w = admm.node_mean(rack_sum, N, e.z.dtype) if self.averaging else \
+                admm.rack_candidate(rack_sum, e.z, e.t, e.rho2, e.rho3, N)
             w_new.append(sparsity.apply_masks(w, e.rows, e.cols) if e.structured else w)
         if self.topo.is_rack_leader:                  # (c) w_r + t_r across the spine, compact
             for k, e in enumerate(self.entries):
@@ -687,13 +698,15 @@ class HSADMM:
         kept (with z they are the consensus model) and taken by every rank, unless ``own_buffers`` (overlap: a
         rank's running statistics have followed its steps since it sent them, and keep doing so)."""
         for k, e in enumerate(self.entries):   # (over-relaxed: the relaxed points of the round's steps)
-            admm.update_dual(e.v, self._relaxed_node(z_i_new[k], e), z_new[k] if w_new is None else w_new[k])
-            if du is None:
-                admm.update_dual(e.u, self._relaxed_theta(e), z_i_new[k])
-            else:
-                e.u.add_(du[k])
+            if not self.averaging:   # retrain="average": no duals, they stay 0
+                admm.update_dual(e.v, self._relaxed_node(z_i_new[k], e), z_new[k] if w_new is None else w_new[k])
+                if du is None:
+                    admm.update_dual(e.u, self._relaxed_theta(e), z_i_new[k])
+                else:
+                    e.u.add_(du[k])
+                if w_new is not None:
+                    admm.update_dual(e.t, w_new[k], z_new[k])
             if w_new is not None:
-                admm.update_dual(e.t, w_new[k], z_new[k])
                 e.w = w_new[k]
             e.z_i, e.z = z_i_new[k], z_new[k]
         n = len(self.entries)
@@ -739,7 +752,7 @@ class HSADMM:
                 e.residuals.update(r_inter=r_inter, s_inter=s_inter)
             if self.rack_tier:
                 e.residuals.update(r_spine=r_spine, s_spine=s_spine)
-            if c.adaptive_rho or c.rho_growth != 1.0:
+            if (c.adaptive_rho or c.rho_growth != 1.0) and not self.averaging:
                 rho1, rho2, rho3 = e.rho1, e.rho2, e.rho3
                 if c.adaptive_rho:
                     rho1 = admm.adapt_rho(rho1, r_intra, s_intra, c.rho_max)
@@ -830,8 +843,16 @@ class HSADMM:
                 e.w = sparsity.apply_masks(e.w, e.rows, e.cols)
         self._compact = self._support = None
         self.frozen = True
+        if self.averaging:   # retrain="average": the penalties and the duals go, for the rest of the run
+            for e in self.entries:
+                e.rho1 = e.rho2 = e.rho3 = 0.0
+                for dual in (e.u, e.v, e.t):
+                    if dual is not None:
+                        dual.zero_()
+            self._refresh_prox()
         if self.topo.rank == 0:
-            log.info("round %d: masks frozen, density %.3f of the structured weights", self.round, self.density())
+            log.info("round %d: masks frozen, density %.3f of the structured weights%s", self.round, self.density(),
+                     "; from now on the rounds average (retrain='average')" if self.averaging else "")
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _nonfinite(self) -> List[bool]:
@@ -1075,7 +1096,7 @@ class HSADMM:
     def _committed_state(self) -> dict:
         return {
             "round": self.round, "frozen": self.frozen, "stable_rounds": self.stable_rounds,
-            "mask_drift": self.mask_drift, "bytes": dict(self.bytes),
+            "mask_drift": self.mask_drift, "bytes": dict(self.bytes), "averaging": self.averaging,
             "entries": {e.name: {"u": e.u.clone(), "z_i": e.z_i.clone(), "v": e.v.clone(), "z": e.z.clone(),
                                  "rho1": e.rho1, "rho2": e.rho2, "residuals": dict(e.residuals),
                                  "rows": None if e.rows is None else e.rows.clone(),
@@ -1096,6 +1117,11 @@ class HSADMM:
 
     def load_state_dict(self, sd: dict) -> None:
         names = [e.name for e in self.entries]
+        averaging = bool(sd.get("averaging", False))   # (older checkpoints: ADMM throughout)
+        if bool(sd["frozen"]) and averaging != (self.config.retrain == "average"):
+            raise ValueError(f"engine state: saved after the masks froze with retrain="
+                             f"{'average' if averaging else 'admm'!r}, resumed with retrain={self.config.retrain!r}: "
+                             f"the retraining phase's duals and ρ are that setting's, resume with the same retrain")
         if sorted(sd["entries"]) != sorted(names):
             missing = sorted(set(names) - set(sd["entries"]))
             extra = sorted(set(sd["entries"]) - set(names))
