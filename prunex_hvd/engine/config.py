@@ -187,12 +187,12 @@ class ConsensusConfig:
       global model). ``"average"``: at the freeze ρ and the duals drop to 0, and each later round is the nodes'
       plain mean on the frozen structure, hierarchical local SGD of the pruned model (no proximal term in the
       steps; ``relaxation`` and ``acceleration="nesterov"`` still act on it as outer step and momentum). Measured
-      on the CLI's recipe, side by side (2×2 ranks, 5 seeds each; benchmarks/README, "The retraining phase"):
-      it ends higher on every task, digits 98.83% against 98.44% (test loss lower on 5 of 5 seeds; 97% after
-      11.6 epochs against 12.8), ResNet-18 on digits at 8×8 97.33% against 97.06% (loss 0.086 against 0.103),
-      synthetic 99.96% both (loss 0.018 against 0.022). But on ResNet-18 the undamped global model zigzags for
-      the first rounds after the freeze (72% → 82% → 77% → 83% on one seed) and reaches 90% 1.2 epochs later
-      (7.7 against 6.5). Off by default, here and in ``prunex-hvd train``: for training to the end, not for an
+      on the CLI's recipe, side by side (2×2 ranks, 5 seeds, ResNet-18 7; benchmarks/README, "The retraining
+      phase"): it ends higher on every task, digits 98.83% against 98.44% (test loss lower on 5 of 5 seeds; 97%
+      after 11.6 epochs against 12.8), ResNet-18 on digits at 8×8 97.54% against 97.22% (loss 0.084 against
+      0.099), synthetic 99.96% both (loss 0.018 against 0.022). But on ResNet-18 the undamped global model
+      zigzags for the first rounds after the freeze (72% → 82% → 77% → 83% on one seed) and reaches 90% 1.0
+      epoch later (7.2 against 6.2). Off by default, here and in ``prunex-hvd train``: for training to the end, not for an
       early target. Needs ``weight_decay_z=0`` and no ``"fast-admm"``; resume with the same setting.
     * ``coupled`` — channel pruning with dependencies (Torch-Pruning's "group"): when conv B reads conv A's
       output through BatchNorm/activations only, B's input channel c and A's filter c are pruned together,
