@@ -263,10 +263,14 @@ class HSADMM:
     def _refresh_prox(self) -> None:
         """Cache ρ1(u − z_i) and group entries by ρ1, so a step is two fused foreach adds per group. A half
         precision model caches z_i − u instead (see :meth:`add_proximal_grad`). With a round in flight
-        (``overlap``) the steps already pull toward its z_i, with its u (u + (θ − z_i)), at the ρ1 they had."""
+        (``overlap``) the steps already pull toward its z_i, with its u (u + (θ − z_i)), at the ρ1 they had. An
+        entry with ρ1 = 0 (``retrain="average"`` once frozen) adds nothing and caches nothing."""
         f, same = self._in_flight, self.state_dtype == self.dtype
         self._shift = []
         for k, e in enumerate(self.entries):   # one new tensor each: u + du is formed in it (the fold's u, bitwise)
+            if e.rho1 == 0.0:
+                self._shift.append(None)
+                continue
             z_i = e.z_i if f is None else f.z_i[k]
             if f is None:
                 shift = (e.u - z_i).mul_(e.rho1) if same else z_i - e.u
