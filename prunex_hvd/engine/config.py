@@ -112,8 +112,9 @@ class ConsensusConfig:
         blocking call spinning on the exchange's thread, 4 seeds on another machine) it was 0.97×, 1.03× and
         1.19×. Overlapping every round took 50.2 s to 0.80 against 34.8 s (seed 0).
       - At 1 Gbit/s the exchange is 0.21 s of a 5.1 s round. With ``overlap_steps=1`` (9 seeds) a frozen round
-        took 0.975× blocking's, the run 0.976× the wall time, and 0.80 / 0.90 / 0.95 came 0.998× / 0.984× /
-        0.994× as late in sum (inside seed noise); final 96.70% against 96.98%. Four steps in flight took
+        took 0.975× blocking's; over 18 seeds the run took 0.981× the wall time and 0.80 / 0.90 / 0.95 came
+        0.996× / 0.970× / 0.986× as late in sum, at level epochs (each margin inside seed noise: the exchange is
+        ~4% of a round); final 97.24% against 97.33%. Four steps in flight took
         0.999× the wall time there: fold after the fewest steps that cover the exchange.
       Off by default, here and in ``prunex-hvd train``: turn it on where a round's transfer is a large share
       of its time.
