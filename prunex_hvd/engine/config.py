@@ -114,8 +114,8 @@ class ConsensusConfig:
       - At 1 Gbit/s the exchange is 0.21 s of a 5.1 s round. With ``overlap_steps=1`` (9 seeds) a frozen round
         took 0.975× blocking's; over 18 seeds the run took 0.981× the wall time and 0.80 / 0.90 / 0.95 came
         0.996× / 0.970× / 0.986× as late in sum, at level epochs (each margin inside seed noise: the exchange is
-        ~4% of a round); final 97.24% against 97.33%. Four steps in flight took
-        0.999× the wall time there: fold after the fewest steps that cover the exchange.
+        ~4% of a round); final 97.24% against 97.33%. Four steps in flight took 0.999× the wall time there:
+        fold after the fewest steps that cover the exchange.
       Off by default, here and in ``prunex-hvd train``: turn it on where a round's transfer is a large share
       of its time.
     * ``rho1`` — pull of each rank's θ toward its node consensus z_i, added to every gradient. Larger: ranks of
@@ -193,8 +193,8 @@ class ConsensusConfig:
       after 11.6 epochs against 12.8), ResNet-18 on digits at 8×8 97.54% against 97.22% (loss 0.084 against
       0.099), synthetic 99.96% both (loss 0.018 against 0.022). But on ResNet-18 the undamped global model
       zigzags for the first rounds after the freeze (72% → 82% → 77% → 83% on one seed) and reaches 90% 1.0
-      epoch later (7.2 against 6.2). Off by default, here and in ``prunex-hvd train``: for training to the end, not for an
-      early target. Needs ``weight_decay_z=0`` and no ``"fast-admm"``; resume with the same setting.
+      epoch later (7.2 against 6.2). Off by default, here and in ``prunex-hvd train``: for training to the end,
+      not for an early target. Needs ``weight_decay_z=0`` and no ``"fast-admm"``; resume with the same setting.
     * ``coupled`` — channel pruning with dependencies (Torch-Pruning's "group"): when conv B reads conv A's
       output through BatchNorm/activations only, B's input channel c and A's filter c are pruned together,
       ranked by their joint norm. ``channel:0.5`` then also halves A's filters: inter-node traffic falls from
