@@ -52,12 +52,13 @@ TASKS: Dict[str, dict] = {
                                "--lr 0.05 --local-epochs 1 --freeze-round 3", targets=(0.5, 0.7, 0.8)),
 }
 
-# The paper's round as measured: θ stays, adaptive ρ from the demo's 0.01 / 0.001, no relaxation, growth or ramp.
+# The paper's round as measured: θ stays, adaptive ρ from the demo's 0.01 / 0.001, no relaxation, growth, ramp or
+# lr warm-up.
 # Every PruneX variant spells all of these, then its levers (argparse keeps the last value), so it means what the
 # tables in benchmarks/README.md say whatever the command line's recipe is.
 PAPER_ROUND = (
     "--rho1 0.01 --rho2 0.001 --adaptive-rho --restart none --relaxation 1 --rho-growth 1 --keep-ramp-rounds 0 "
-    "--no-node-sync")
+    "--no-node-sync --warmup-epochs 0")
 
 
 def prunex(sparsity: str = "channel:0.5", levers: str = "") -> str:
@@ -102,6 +103,7 @@ VARIANTS: Dict[str, str] = {
                                                         "--freeze-round 12"),
     # the command line's defaults (whatever they are now)
     "prunex": "--method prunex --sparsity channel:0.5",
+    "prunex-no-warmup": "--method prunex --sparsity channel:0.5 --warmup-epochs 0",   # the recipe without its warm-up
     "prunex-bf16": "--method prunex --sparsity channel:0.5 --payload-dtype bf16",
     "prunex-fp16": "--method prunex --sparsity channel:0.5 --payload-dtype fp16",
     "prunex-fixed-rho": "--method prunex --sparsity channel:0.5 --no-adaptive-rho",   # ρ held at 0.01 / 0.001
@@ -118,6 +120,11 @@ VARIANTS: Dict[str, str] = {
                                                     f"--outer-momentum {b}" for b in (0.3, 0.5, 0.9)},
     # the retraining phase (after the freeze): the recipe's ADMM, or plain averaging of the pruned model
     **{f"prunex-retrain-{r}": f"--method prunex --sparsity channel:0.5 --retrain {r}" for r in ("admm", "average")},
+    # a linear lr warm-up over the first epoch(s) (the trainer's --warmup-epochs), PruneX's and the rivals'
+    **{f"{name}-warmup{w}": f"{flags} --warmup-epochs {w}" for w in (1, 2) for name, flags in (
+        ("prunex", "--method prunex --sparsity channel:0.5"), ("prunex-dense", "--method prunex --sparsity dense"),
+        ("localsgd-hier", "--method localsgd-hier"), ("pactrain", "--method pactrain --sparsity channel:0.5"))},
+    "prunex-warmup1-average": "--method prunex --sparsity channel:0.5 --warmup-epochs 1 --retrain average",
     "prunex-overlap": "--method prunex --sparsity channel:0.5 --overlap",   # the recipe, overlapped once frozen
     **{f"prunex-overlap-s{k}": f"--method prunex --sparsity channel:0.5 --overlap --overlap-steps {k}"
        for k in (1, 2, 4)},

@@ -10,7 +10,7 @@ import torch
 import prunex_hvd as px
 from models_for_tests import toy_cnn
 from prunex_hvd.app import cli
-from prunex_hvd.app.train import AUTO_FREEZE, AUTO_RAMP, RECIPE, TrainConfig
+from prunex_hvd.app.train import AUTO_FREEZE, AUTO_RAMP, AUTO_WARMUP_EPOCHS, RECIPE, TrainConfig, _lr_factor
 from prunex_hvd.engine.config import ConsensusConfig, Structure
 
 KNOBS = ConsensusConfig.knob_names()
@@ -172,3 +172,27 @@ def test_every_knob_but_the_methods_own_is_a_flag_with_the_recipe_default():
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--keep-ramp-rounds", "soon"])
     assert cli._train_config(parser.parse_args(["train", "--keep-ramp-rounds", "auto"])).ramp_fraction == AUTO_RAMP
+
+
+def test_the_lr_warms_up_for_prunex_by_default_and_as_asked_for_any_method():
+    """--warmup-epochs auto (the default): AUTO_WARMUP_EPOCHS for prunex / prunex-flat, none for the rivals (their
+    user's schedule as it is); a number counts for every method. The factor rises linearly to 1 over the warm-up's
+    steps, then follows the cosine over the rest, from 1 down to 0 at the last step."""
+    parser = cli.build_parser()
+    auto = {m: cli._train_config(parser.parse_args(["train", "--method", m])) for m in ("prunex", "prunex-flat",
+                                                                                           "localsgd", "pactrain")}
+    assert {m: c.warmup() for m, c in auto.items()} == {"prunex": AUTO_WARMUP_EPOCHS, "prunex-flat": AUTO_WARMUP_EPOCHS,
+                                                        "localsgd": 0.0, "pactrain": 0.0}
+    assert auto["prunex"].warmup_epochs is None and auto["prunex"].resolved(10).warmup_epochs == AUTO_WARMUP_EPOCHS
+    asked = cli._train_config(parser.parse_args(["train", "--method", "localsgd", "--warmup-epochs", "2.5"]))
+    assert asked.warmup() == 2.5 and TrainConfig.from_flat(method="prunex", warmup_epochs=0).warmup() == 0
+    assert TrainConfig.from_flat(warmup_epochs="auto").warmup_epochs is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--warmup-epochs", "soon"])
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="warmup_epochs must be None"):
+            TrainConfig(warmup_epochs=bad).validate()
+    factor = _lr_factor(TrainConfig(epochs=4, warmup_epochs=1.0), steps_per_epoch=5)   # 20 steps, 5 warming up
+    assert [factor(s) for s in range(5)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    assert [factor(s) for s in (5, 12, 20)] == pytest.approx([1.0, 0.5 * (1 + math.cos(math.pi * 7 / 15)), 0.0])
+    assert _lr_factor(TrainConfig(epochs=4, warmup_epochs=0.0), 5)(0) == 1.0

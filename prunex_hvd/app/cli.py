@@ -183,6 +183,15 @@ _freeze_round = _int_or(auto="auto", none=None, **{"": None})
 _ramp_rounds = _int_or(auto="auto")
 
 
+def _warmup_epochs(text: str):
+    if text.lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of epochs or 'auto', not {text!r}") from None
+
+
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     from prunex_hvd.app import methods, models
     from prunex_hvd.app.data import AUGMENTS, DATASETS
@@ -210,7 +219,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=D.weight_decay)
     g.add_argument("--nesterov", action="store_true")
     g.add_argument("--lr-schedule", default=D.lr_schedule, choices=("cosine", "constant"))
-    g.add_argument("--warmup-epochs", type=float, default=D.warmup_epochs)
+    g.add_argument("--warmup-epochs", type=_warmup_epochs, default="auto",
+                   help="linear lr warm-up: epochs, or auto (one epoch for prunex / prunex-flat, none for the others: "
+                        "a round-based consensus loses most in its first rounds at full lr)")
     g.add_argument("--seed", type=int, default=D.seed)
     g = p.add_argument_group("H-SADMM (prunex, prunex-flat); defaults are a recipe measured to converge in "
                              "tens of rounds, the paper's are rho1=1.5e-3 rho2=1.5e-4")
