@@ -3,7 +3,8 @@
     python benchmarks/report.py runs/bench/*.json [--out runs/bench/report]
 
 Each file is recognised by its ``"benchmark"`` key (volume, scaling, wrapper_overhead, shrink_recover,
-emulated_cluster); unknown files are skipped with a note. Writes a PNG per benchmark and ``bench.md``.
+emulated_cluster) or ``"bench"`` (learning: ``--variants a,b`` draws only those); unknown files are skipped with
+a note. Writes a PNG per benchmark (learning: one per task) and ``bench.md``.
 """
 from __future__ import annotations
 
@@ -164,14 +165,57 @@ def cluster(d: dict, out: str, md: List[str]) -> List[str]:
     return [_save(fig, out, "cluster.png")]
 
 
+def learning(d: dict, out: str, md: List[str], variants=None) -> List[str]:
+    """``bench_learning.py``'s JSON (several files' runs may be merged into one): per task, the test accuracy at
+    equal epochs of each variant, the mean over its seeds with their range as a band, and a table of the final
+    accuracy and the epochs to each target (means over the seeds that reached it: counted in the table)."""
+    runs = [r for r in d["runs"] if r.get("rc") == 0 and (variants is None or r["variant"] in variants)]
+    pngs = []
+    for task in sorted({r["task"] for r in runs}):
+        by_variant: Dict[str, List[dict]] = {}
+        for r in runs:
+            if r["task"] == task:
+                by_variant.setdefault(r["variant"], []).append(r)
+        fig, (ax, tail) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+        tail_low = 100.0
+        md += [f"## learning: {task}", "", "| variant | seeds | final % | epochs to " +
+               " / ".join(f"{float(t):.0%}" for t in next(iter(by_variant.values()))[0]["epochs_to"]) + " |",
+               "|---|---|---|---|"]
+        for variant, rs in by_variant.items():
+            n = min(len(r["curve"]) for r in rs)
+            epochs = [rs[0]["curve"][i][0] for i in range(n)]
+            accs = [[r["curve"][i][1] * 100 for r in rs] for i in range(n)]
+            means = [sum(a) / len(a) for a in accs]
+            line, = ax.plot(epochs, means, label=f"{variant} ({len(rs)})")
+            ax.fill_between(epochs, [min(a) for a in accs], [max(a) for a in accs], color=line.get_color(), alpha=0.12)
+            half = [i for i, e in enumerate(epochs) if e >= epochs[-1] / 2]   # the second half, the means close up
+            tail.plot([epochs[i] for i in half], [means[i] for i in half], "o-", ms=3, color=line.get_color())
+            tail_low = min(tail_low, min(means[i] for i in half))
+            reached = {t: [r["epochs_to"][t] for r in rs if r["epochs_to"][t] is not None] for t in rs[0]["epochs_to"]}
+            final = sum(r["final_acc"] for r in rs) / len(rs) * 100
+            md.append(f"| {variant} | {len(rs)} | {final:.2f} | " + " / ".join(
+                f"{sum(v) / len(v):.1f}" + ("" if len(v) == len(rs) else f" ({len(v)} of {len(rs)})") if v else "never"
+                for v in reached.values()) + " |")
+        ax.set(xlabel="epoch", ylabel="test accuracy % (mean over seeds, band: their range)", title=task)
+        ax.set_ylim(bottom=max(0, ax.get_ylim()[0]))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        tail.set(xlabel="epoch", ylabel="mean test accuracy %", title="second half, means", ylim=(tail_low - 0.5, 100))
+        tail.grid(alpha=0.3)
+        pngs.append(_save(fig, out, f"learning-{task}.png"))
+        md.append("")
+    return pngs
+
+
 HANDLERS = {"volume": volume, "scaling": scaling, "wrapper_overhead": overhead, "shrink_recover": shrink,
-            "emulated_cluster": cluster}
+            "emulated_cluster": cluster, "learning": learning}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+")
     ap.add_argument("--out", default=None, help="default: <folder of the first file>/report")
+    ap.add_argument("--variants", default=None, help="learning: the variants to draw, comma-separated (default: all)")
     args = ap.parse_args(argv)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.files[0])), "report")
     os.makedirs(out, exist_ok=True)
@@ -180,11 +224,12 @@ def main(argv=None) -> int:
     for path in args.files:
         with open(path) as f:
             d = json.load(f)
-        kind = d.get("benchmark")
+        kind = d.get("benchmark", d.get("bench"))
         if kind not in HANDLERS:
             print(f"skipping {path}: no known 'benchmark' key ({kind!r})", file=sys.stderr)
             continue
-        written[path] = HANDLERS[kind](d, out, md)
+        extra = {"variants": args.variants.split(",")} if kind == "learning" and args.variants else {}
+        written[path] = HANDLERS[kind](d, out, md, **extra)
     with open(os.path.join(out, "bench.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     for path, pngs in written.items():

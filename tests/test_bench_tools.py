@@ -179,3 +179,25 @@ def test_the_ledgers_cross_rack_bytes_are_read_with_racks_only(cluster, tmp_path
     assert "library_ledger_cross_rack_bytes" not in cluster.read_metrics(str(tmp_path), 0.9)
     (tmp_path / "ledger.json").unlink()   # a failed job writes none
     assert cluster.read_metrics(str(tmp_path), 0.9, racks=2)["library_ledger_cross_rack_bytes"] is None
+
+
+def test_the_learning_report_draws_each_task_and_tables_the_means(tmp_path):
+    """benchmarks/report.py on bench_learning's JSON: a plot per task, and per variant the mean final accuracy and
+    the mean epochs to each target over the seeds that reached it (counted where some did not)."""
+    report = _load("report")
+
+    def run(variant, seed, final, reached):
+        return {"task": "digits", "variant": variant, "seed": seed, "rc": 0, "final_acc": final,
+                "curve": [[1.0, 0.5], [2.0, final]], "epochs_to": {"0.9": reached, "0.95": None}}
+    d = {"bench": "learning", "runs": [run("a", 0, 0.9, 2.0), run("a", 1, 0.96, 1.0), run("b", 0, 0.92, None),
+                                       dict(run("b", 1, 0.5, None), rc=1)]}   # a failed run counts nowhere
+    (tmp_path / "l.json").write_text(json.dumps(d))
+    assert report.main([str(tmp_path / "l.json"), "--out", str(tmp_path / "r")]) == 0
+    assert (tmp_path / "r" / "learning-digits.png").stat().st_size > 0
+    md = (tmp_path / "r" / "bench.md").read_text()
+    assert "| a | 2 | 93.00 | 1.5 / never |" in md and "| b | 1 | 92.00 | never / never |" in md
+    d["runs"][1]["epochs_to"]["0.95"] = 2.0
+    (tmp_path / "l.json").write_text(json.dumps(d))
+    assert report.main([str(tmp_path / "l.json"), "--out", str(tmp_path / "r"), "--variants", "a"]) == 0
+    md = (tmp_path / "r" / "bench.md").read_text()
+    assert "| a | 2 | 93.00 | 1.5 / 2.0 (1 of 2) |" in md and "| b |" not in md

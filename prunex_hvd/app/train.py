@@ -330,8 +330,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
 
     meta = {"model": cfg.model, "dataset": cfg.dataset, "method": cfg.method, "sparsity": str(cfg.consensus.sparsity),
             "coupled": cfg.consensus.coupled, "world_size": topo.size, "num_nodes": topo.num_nodes,
-            "ranks_per_node": topo.local_size, "batch_size": cfg.batch_size, "local_steps": local_steps, "seed": cfg.seed,
-            "warmup_epochs": cfg.warmup_epochs}   # (a resume with another warm-up would bend the lr schedule)
+            "ranks_per_node": topo.local_size, "batch_size": cfg.batch_size, "local_steps": local_steps,
+            "seed": cfg.seed, "warmup_epochs": cfg.warmup_epochs}   # (another warm-up would bend the lr schedule)
     os.makedirs(cfg.out, exist_ok=True)
     step, wall_offset, resumed = 0, 0.0, False
     if cfg.resume:
