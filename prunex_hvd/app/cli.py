@@ -165,31 +165,24 @@ def _flat_names():
     return {f.name for f in dataclasses.fields(TrainConfig)} | set(ConsensusConfig.knob_names())
 
 
-def _int_or(**words):
-    """An argparse type: an integer, or one of ``words`` (case-insensitive), which map to their values."""
-    choices = ["an integer"] + [repr(w) for w in words if w]
+def _number_or(kind, **words):
+    """An argparse type: a number of ``kind`` (int or float), or one of ``words`` (case-insensitive), which map to
+    their values."""
+    choices = ["an integer" if kind is int else "a number"] + [repr(w) for w in words if w]
 
     def parse(text: str):
         if text.lower() in words:
             return words[text.lower()]
         try:
-            return int(text)
+            return kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{', '.join(choices[:-1])} or {choices[-1]}, not {text!r}") from None
     return parse
 
 
-_freeze_round = _int_or(auto="auto", none=None, **{"": None})
-_ramp_rounds = _int_or(auto="auto")
-
-
-def _warmup_epochs(text: str):
-    if text.lower() == "auto":
-        return "auto"
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a number of epochs or 'auto', not {text!r}") from None
+_freeze_round = _number_or(int, auto="auto", none=None, **{"": None})
+_ramp_rounds = _number_or(int, auto="auto")
+_warmup_epochs = _number_or(float, auto="auto")
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:

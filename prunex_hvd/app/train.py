@@ -53,7 +53,7 @@ AUTO_RAMP = 1 / 4     # --keep-ramp-rounds auto: the kept fraction falls from 1 
 # --warmup-epochs auto: PruneX's methods warm the user's lr up linearly over the first epoch; the others take the
 # user's schedule as it is. A round-based consensus loses most in its first rounds from a random initialisation
 # (each node takes a round of full-lr steps alone, and the ramp cuts channels from that model). ResNet-18 on digits
-# at 8×8, 7 seeds side by side: 98.57% at the end against 97.22%, higher on 6 of 7; digits 98.61% against 98.44%,
+# at 8×8, 7 seeds side by side: 98.57% at the end against 97.22%, higher on 5, lower on 1; digits 98.61% / 98.44%,
 # synthetic level (benchmarks/README, "A warm-up of the lr").
 AUTO_WARMUP_EPOCHS = 1.0
 WARMED_UP_METHODS = ("prunex", "prunex-flat")
