@@ -38,11 +38,13 @@ optimizer = px.DistributedOptimizer(optimizer, model, sparsity=args.sparsity,   
                                     local_steps=len(train),                         # one round per epoch
                                     rho1=0.01, rho2=0.001,
                                     freeze_round=max(1, args.epochs // 3))          # then retrain the structure
-# the lr warmed up over the first epoch, then a cosine: a round-based consensus loses most in its first rounds
-# at full lr (docs: the lr entry of ConsensusConfig's tuning guide; prunex-hvd train does the same)
-warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / len(train), total_iters=len(train))
-cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, (args.epochs - 1) * len(train)))
-scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[len(train)])
+# the lr warmed up over the first two epochs (at most an eighth of the run), then a cosine: a round-based consensus
+# loses most in its first rounds at full lr (docs: the lr entry of ConsensusConfig's tuning guide; prunex-hvd train
+# does the same)
+warm = max(1, min(2 * len(train), args.epochs * len(train) // 8))
+warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / warm, total_iters=warm)
+cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, args.epochs * len(train) - warm))
+scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[warm])
 
 for epoch in range(args.epochs):
     train.set_epoch(epoch)

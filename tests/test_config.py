@@ -10,7 +10,8 @@ import torch
 import prunex_hvd as px
 from models_for_tests import toy_cnn
 from prunex_hvd.app import cli
-from prunex_hvd.app.train import AUTO_FREEZE, AUTO_RAMP, AUTO_WARMUP_EPOCHS, RECIPE, TrainConfig, _lr_factor
+from prunex_hvd.app.train import (AUTO_FREEZE, AUTO_RAMP, AUTO_WARMUP_EPOCHS, AUTO_WARMUP_MAX_FRACTION, RECIPE,
+                                  TrainConfig, _lr_factor)
 from prunex_hvd.engine.config import ConsensusConfig, Structure
 
 KNOBS = ConsensusConfig.knob_names()
@@ -175,16 +176,21 @@ def test_every_knob_but_the_methods_own_is_a_flag_with_the_recipe_default():
 
 
 def test_the_lr_warms_up_for_prunex_by_default_and_as_asked_for_any_method():
-    """--warmup-epochs auto (the default): AUTO_WARMUP_EPOCHS for prunex / prunex-flat, none for the rivals (their
-    user's schedule as it is); a number counts for every method. The factor rises linearly to 1 over the warm-up's
+    """--warmup-epochs auto (the default): AUTO_WARMUP_EPOCHS for prunex / prunex-flat, at most
+    AUTO_WARMUP_MAX_FRACTION of a short run, none for the rivals (their user's schedule as it is); a number counts
+    for every method, whatever the run's length. The factor rises linearly to 1 over the warm-up's
     steps, then follows the cosine over the rest, from 1 down to 0 at the last step."""
     parser = cli.build_parser()
-    auto = {m: cli._train_config(parser.parse_args(["train", "--method", m])) for m in ("prunex", "prunex-flat",
-                                                                                           "localsgd", "pactrain")}
+    auto = {m: cli._train_config(parser.parse_args(["train", "--method", m, "--epochs", "24"]))
+            for m in ("prunex", "prunex-flat", "localsgd", "pactrain")}
+    assert AUTO_WARMUP_EPOCHS <= AUTO_WARMUP_MAX_FRACTION * 24   # so the cap does not bite above
     assert {m: c.warmup() for m, c in auto.items()} == {"prunex": AUTO_WARMUP_EPOCHS, "prunex-flat": AUTO_WARMUP_EPOCHS,
                                                         "localsgd": 0.0, "pactrain": 0.0}
     assert auto["prunex"].warmup_epochs is None and auto["prunex"].resolved(10).warmup_epochs == AUTO_WARMUP_EPOCHS
-    asked = cli._train_config(parser.parse_args(["train", "--method", "localsgd", "--warmup-epochs", "2.5"]))
+    short = cli._train_config(parser.parse_args(["train", "--method", "prunex", "--epochs", "4"]))
+    assert short.warmup() == pytest.approx(4 * AUTO_WARMUP_MAX_FRACTION) and short.warmup() < AUTO_WARMUP_EPOCHS
+    asked = cli._train_config(parser.parse_args(["train", "--method", "localsgd", "--epochs", "4",
+                                                 "--warmup-epochs", "2.5"]))
     assert asked.warmup() == 2.5 and TrainConfig.from_flat(method="prunex", warmup_epochs=0).warmup() == 0
     assert TrainConfig.from_flat(warmup_epochs="auto").warmup_epochs is None
     with pytest.raises(SystemExit):
