@@ -213,8 +213,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nesterov", action="store_true")
     g.add_argument("--lr-schedule", default=D.lr_schedule, choices=("cosine", "constant"))
     g.add_argument("--warmup-epochs", type=_warmup_epochs, default="auto",
-                   help="linear lr warm-up: epochs, or auto (two epochs for prunex / prunex-flat, none for the others: "
-                        "a round-based consensus loses most in its first rounds at full lr)")
+                   help="linear lr warm-up: epochs, or auto (two epochs for prunex / prunex-flat, at most an eighth of "
+                        "the run; none for the others: a round-based consensus loses most in its first rounds at full "
+                        "lr)")
     g.add_argument("--seed", type=int, default=D.seed)
     g = p.add_argument_group("H-SADMM (prunex, prunex-flat); defaults are a recipe measured to converge in "
                              "tens of rounds, the paper's are rho1=1.5e-3 rho2=1.5e-4")
