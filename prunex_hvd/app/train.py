@@ -54,7 +54,8 @@ AUTO_RAMP = 1 / 4     # --keep-ramp-rounds auto: the kept fraction falls from 1 
 # the user's schedule as it is. A round-based consensus loses most in its first rounds from a random initialisation
 # (each node takes a round of full-lr steps alone, and the ramp cuts channels from that model). ResNet-18 on digits
 # at 8×8, 7 seeds side by side: no warm-up 97.22% at the end, one epoch 98.57%, two 98.81% (90% after 6.2 / 6.1 /
-# 4.9 epochs); digits 98.44 / 98.61 / 98.89% (5 seeds); synthetic level (benchmarks/README, "A warm-up of the lr").
+# 4.9 epochs); digits 98.44 / 98.61 / 98.89% (5 seeds); synthetic level (benchmarks/README, "A warm-up of the lr"
+# and "Two epochs of warm-up").
 # Capped at an eighth of the run so that a short one still trains mostly at its full lr.
 AUTO_WARMUP_EPOCHS = 2.0
 AUTO_WARMUP_MAX_FRACTION = 1 / 8
