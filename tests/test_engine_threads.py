@@ -332,8 +332,16 @@ def test_node_sync_steps_match_the_reference(layout, ramp):
         cases.check_round(rnd, [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs],
                           node_ranks, eng)
     syncs = [rec for rank in cluster for rec in rank.ledger.records if rec.tag == "node-sync"]
-    assert len(syncs) == len(runs) * cases.ROUNDS * cases.LOCAL_STEPS * len(runs[0]["engine"]._grads.buffers)
     assert all(rec.tier == "intra" and rec.cross_node_bytes == 0 for rec in syncs)
+    # each step sends every gradient, once the masks froze only the structured weights' kept blocks (the
+    # pruned entries are masked right after): the last round's steps carry the compact model
+    full = sum(e.param.numel() for e in eng.entries)
+    compact = sum(e.compact_numel() for e in eng.entries)
+    assert eng.frozen and compact < full
+    frozen_rounds = sum(runs[0]["before"][rnd]["frozen"] for rnd in range(cases.ROUNDS))
+    sent = sum(rec.payload_bytes for rec in syncs) // 4   # float32
+    assert frozen_rounds == 1 and sent == len(runs) * cases.LOCAL_STEPS * (
+        (cases.ROUNDS - frozen_rounds) * full + frozen_rounds * compact)
     for rank, run in zip(cluster, runs):   # counted in the engine's intra bytes, beside the rounds' own
         own = sum(rec.wire_bytes for rec in rank.ledger.records if rec.tag == "node-sync")
         assert run["engine"].bytes["intra"] >= own > (0 if local_size > 1 else -1)

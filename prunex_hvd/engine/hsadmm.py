@@ -292,28 +292,45 @@ class HSADMM:
         """``node_sync``: every gradient averaged over the node's ranks (one allreduce per bucket on the fast
         links), before the proximal term is added. The node's ranks share θ, u and z_i, so they then take the
         same step: the node is one data-parallel worker. A parameter with no gradient on this rank counts as
-        zero in the mean, and gets the mean when that is not zero (so the node's ranks step it alike)."""
+        zero in the mean, and gets the mean when that is not zero (so the node's ranks step it alike).
+
+        Once the masks are frozen (``masked_retrain``) only each structured weight's kept block travels: the
+        pruned entries' gradients are masked right after anyway, so they come back 0 without being sent, and
+        the node's links carry the pruned model (half of ResNet-18's gradient at ``channel:0.5``)."""
         if not self.syncs_node_grads:
             return
-        if self._grads is None:
-            self._grads = BucketLayout([e.param.numel() for e in self.entries], self.dtype, self.device,
-                                       self.bucket_bytes)
+        compact = self._retraining_masked
+        if self._grads is None:   # made again at the freeze (and on a load)
+            self._grads = BucketLayout([e.compact_numel() if compact else e.param.numel() for e in self.entries],
+                                       self.dtype, self.device, self.bucket_bytes)
         for k, e in enumerate(self.entries):   # a missing gradient counts as zero in the mean
+            view = self._grads.views[k]
             if e.param.grad is None:
-                self._grads.views[k].zero_()
+                view.zero_()
+            elif compact and e.structured:
+                sparsity.shrink_into(e.param.grad, e.row_idx, e.col_idx, view, plan=e.plan)
             else:
-                self._grads.views[k].copy_(e.param.grad.reshape(-1))
+                view.copy_(e.param.grad.reshape(-1))
         before = self.ledger.summary()
         with self.ledger.tagged("node-sync"):
             for buf in self._grads.buffers:
                 self.groups.intra.allreduce_(buf, "avg")
         self._count_traffic(before)   # all of it intra: the node's own group
         for k, e in enumerate(self.entries):
-            mean = self._grads.views[k].view_as(e.param)
-            if e.param.grad is not None:
-                e.param.grad.copy_(mean)
-            elif torch.count_nonzero(mean):   # the same test on every rank of the node: the mean is shared
-                e.param.grad = mean.clone()
+            mean = self._grads.views[k]
+            if e.param.grad is None:
+                if not torch.count_nonzero(mean):   # the same test on every rank of the node: the mean is shared
+                    continue
+                e.param.grad = torch.empty_like(e.param)
+            if compact and e.structured:
+                sparsity.recover(mean, e.row_idx, e.col_idx, e.param.shape, out=e.param.grad, plan=e.plan)
+            else:
+                e.param.grad.copy_(mean.view_as(e.param))
+
+    @property
+    def _retraining_masked(self) -> bool:
+        """θ is held on the frozen structure (``masked_retrain`` after the freeze): its pruned entries stay 0."""
+        return self.frozen and self.config.masked_retrain and bool(self.structured)
 
     def add_proximal_grad(self) -> None:
         """grad += ρ1(θ − z_i + u): the gradient of the intra-node penalty (Eq. 8)."""
@@ -330,7 +347,7 @@ class HSADMM:
                 prox = torch._foreach_sub(thetas, [self._shift[k] for k in live])
                 torch._foreach_mul_(prox, rho1)
                 torch._foreach_add_(grads, prox)
-        if self.frozen and self.config.masked_retrain and self.structured:
+        if self._retraining_masked:
             torch._foreach_mul_([e.param.grad for e in self.structured if e.param.grad is not None],
                                 [m for e, m in zip(self.structured, self._retrain_support())
                                  if e.param.grad is not None])
@@ -340,7 +357,7 @@ class HSADMM:
         is ordinary data-parallel training of the pruned model (momentum would move pruned entries). With
         ``overlap_steps``, the round in flight is folded in after that many steps (collective: every rank steps
         alike)."""
-        if self.frozen and self.config.masked_retrain and self.structured:
+        if self._retraining_masked:
             with torch.no_grad():
                 torch._foreach_mul_([e.param for e in self.structured], self._retrain_support())
         f = self._in_flight
@@ -845,7 +862,7 @@ class HSADMM:
             e.z = sparsity.apply_masks(e.z, e.rows, e.cols)
             if e.w is not None:   # the racks' consensus too: every tier above the nodes on the frozen structure
                 e.w = sparsity.apply_masks(e.w, e.rows, e.cols)
-        self._compact = self._support = None
+        self._compact = self._support = self._grads = None
         self.frozen = True
         if self.averaging:   # retrain="average": the penalties and the duals go, for the rest of the run
             for e in self.entries:
@@ -1168,7 +1185,7 @@ class HSADMM:
         saved_ef = sd.get("buffer_ef_spine", {})
         for (name, _), ef in zip(self.buffers, self._buffer_ef_spine):
             ef.copy_(saved_ef[name] if name in saved_ef else torch.zeros_like(ef))
-        self._compact = self._support = None
+        self._compact = self._support = self._grads = None
         self._in_flight = None
         if sd.get("in_flight") is not None:
             if not self.overlap:
