@@ -128,6 +128,7 @@ VARIANTS: Dict[str, str] = {
     # the warm-up with ρ2 held (ρ1 still balanced), then also averaging after the freeze; the warm-up of 2 epochs
     "prunex-hold-rho2-average": "--method prunex --sparsity channel:0.5 --no-balance-rho2 --retrain average",
     "prunex-warmup2-hold-rho2": "--method prunex --sparsity channel:0.5 --no-balance-rho2 --warmup-epochs 2",
+    "prunex-warmup2-average": "--method prunex --sparsity channel:0.5 --warmup-epochs 2 --retrain average",
     "prunex-overlap": "--method prunex --sparsity channel:0.5 --overlap",   # the recipe, overlapped once frozen
     **{f"prunex-overlap-s{k}": f"--method prunex --sparsity channel:0.5 --overlap --overlap-steps {k}"
        for k in (1, 2, 4)},
