@@ -14,6 +14,7 @@ from torch import nn
 
 import engine_cases as cases
 from prunex_hvd.dist.comm.threads import thread_cluster
+from prunex_hvd.engine.buckets import BucketLayout
 from prunex_hvd.engine.config import ConsensusConfig, Structure
 from prunex_hvd.engine.hsadmm import HSADMM
 from prunex_hvd.engine.sparsity import native
@@ -342,6 +343,11 @@ def test_node_sync_steps_match_the_reference(layout, ramp):
     sent = sum(rec.payload_bytes for rec in syncs) // 4   # float32
     assert frozen_rounds == 1 and sent == len(runs) * cases.LOCAL_STEPS * (
         (cases.ROUNDS - frozen_rounds) * full + frozen_rounds * compact)
+    # one allreduce per bucket a step: the full layout's buckets, then the compact one's (the engine's last)
+    full_buckets = len(BucketLayout([e.param.numel() for e in eng.entries], eng.dtype, eng.device,
+                                    eng.bucket_bytes).buffers)
+    assert len(syncs) == len(runs) * cases.LOCAL_STEPS * (
+        (cases.ROUNDS - frozen_rounds) * full_buckets + frozen_rounds * len(eng._grads.buffers))
     for rank, run in zip(cluster, runs):   # counted in the engine's intra bytes, beside the rounds' own
         own = sum(rec.wire_bytes for rec in rank.ledger.records if rec.tag == "node-sync")
         assert run["engine"].bytes["intra"] >= own > (0 if local_size > 1 else -1)
