@@ -110,7 +110,9 @@ VARIANTS: Dict[str, str] = {
     "prunex-freeze1": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0",
     "prunex-hold-rho2": "--method prunex --sparsity channel:0.5 --no-balance-rho2",   # ρ1 balanced, ρ2 held
     **{f"prunex-rhomax{str(m).replace('.', '')}": f"--method prunex --sparsity channel:0.5 --rho-max {m}"
-       for m in (0.1, 1.0)},   # the recipe, residual balancing capped lower
+       for m in (0.05, 0.1, 0.2, 1.0)},   # the recipe, residual balancing capped lower
+    "prunex-rhomax-auto": "--method prunex --sparsity channel:0.5 --rho-max auto",   # capped by the round's pull
+    "prunex-uncapped": "--method prunex --sparsity channel:0.5 --rho-max 10",   # the recipe before --rho-max auto
     "prunex-fixed-rho-freeze1": "--method prunex --sparsity channel:0.5 --no-adaptive-rho --freeze-round 1 "
                                 "--keep-ramp-rounds 0",
     # momentum across rounds (the recipe, then acceleration): fast ADMM with restart; z alone (DiLoCo's outer step)

@@ -10,8 +10,8 @@ import torch
 import prunex_hvd as px
 from models_for_tests import toy_cnn
 from prunex_hvd.app import cli
-from prunex_hvd.app.train import (AUTO_FREEZE, AUTO_RAMP, AUTO_WARMUP_EPOCHS, AUTO_WARMUP_MAX_FRACTION, RECIPE,
-                                  TrainConfig, _lr_factor)
+from prunex_hvd.app.train import (AUTO_FREEZE, AUTO_RAMP, AUTO_ROUND_PULL, AUTO_WARMUP_EPOCHS,
+                                  AUTO_WARMUP_MAX_FRACTION, RECIPE, TrainConfig, _lr_factor)
 from prunex_hvd.engine.config import ConsensusConfig, Structure
 
 KNOBS = ConsensusConfig.knob_names()
@@ -173,6 +173,36 @@ def test_every_knob_but_the_methods_own_is_a_flag_with_the_recipe_default():
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--keep-ramp-rounds", "soon"])
     assert cli._train_config(parser.parse_args(["train", "--keep-ramp-rounds", "auto"])).ramp_fraction == AUTO_RAMP
+
+
+def test_rho_max_auto_caps_rho_where_a_rounds_steps_would_pull_theta_back_once():
+    """--rho-max auto: ρ_max = round_pull·(1 − momentum)/(lr·local_steps), the local steps resolved from the epochs;
+    never below the ρ's the run starts from; a number asked for counts as it is; momentum >= 1 has no such cap."""
+    parser = cli.build_parser()
+    auto = cli._train_config(parser.parse_args(["train", "--rho-max", "auto", "--lr", "0.05", "--momentum", "0.9"]))
+    assert auto.round_pull == AUTO_ROUND_PULL == 1.0 and auto.consensus.rho_max == RECIPE.rho_max
+    for steps_per_epoch, cap in ((22, 0.1 / (0.05 * 22)), (11, 0.1 / (0.05 * 11))):
+        assert auto.resolved(steps_per_epoch).consensus.rho_max == pytest.approx(cap, rel=1e-12)
+    asked = cli._train_config(parser.parse_args(["train", "--rho-max", "0.3"]))
+    assert asked.round_pull is None and asked.resolved(22).consensus.rho_max == 0.3
+    default = cli._train_config(parser.parse_args(["train", "--lr", "0.05"]))   # the CLI's recipe: auto
+    assert default.round_pull == AUTO_ROUND_PULL and TrainConfig().round_pull == AUTO_ROUND_PULL
+    assert default.resolved(22).consensus.rho_max == auto.resolved(22).consensus.rho_max
+    assert TrainConfig.from_flat(round_pull=None).resolved(22).consensus.rho_max == RECIPE.rho_max   # no rule
+    plain = TrainConfig.from_flat(rho_max="auto", momentum=0.0, lr=0.5, local_steps=4)
+    assert plain.resolved(100).consensus.rho_max == pytest.approx(1 / (0.5 * 4))
+    # a start above the cap is kept (auto only stops the growth): ρ1 0.8 against a cap of 0.5
+    assert TrainConfig.from_flat(rho_max="auto", rho1=0.8, momentum=0.0, lr=0.5, local_steps=4) \
+        .resolved(100).consensus.rho_max == 0.8
+    written = TrainConfig.from_flat(rho_max="auto", local_steps=9)
+    assert TrainConfig.from_flat(**written.as_dict()) == written   # config.json reads back
+    with pytest.raises(ValueError, match="needs momentum < 1"):
+        TrainConfig.from_flat(rho_max="auto", momentum=1.0).validate()
+    TrainConfig.from_flat(rho_max=2.0, momentum=1.0).validate()   # a number: no gain to divide by
+    with pytest.raises(ValueError, match="round_pull must be None"):
+        TrainConfig(round_pull=-1.0).validate()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--rho-max", "soon"])
 
 
 def test_the_lr_warms_up_for_prunex_by_default_and_as_asked_for_any_method():

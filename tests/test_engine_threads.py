@@ -50,6 +50,8 @@ LEVERS = {"paper-round": dict(restart="none"),   # the default restarts: this ke
           "fixed-rho": dict(restart="global", node_sync=True, payload_dtype="bf16", adaptive_rho=False),
           # ... with ρ1 balanced and ρ2 held
           "hold-rho2": dict(restart="global", node_sync=True, payload_dtype="bf16", balance_rho2=False),
+          # ... with the balanced ρ's capped low (--rho-max auto's kind of cap): it binds within the 4 rounds
+          "capped-rho": dict(restart="global", node_sync=True, payload_dtype="bf16", rho_max=0.07),
           # momentum across rounds: fast ADMM over 4 rounds without a freeze or a change of ρ (its momentum
           # builds); on the recipe (ρ changes and the freeze restart it); DiLoCo-like on z alone, relaxed and narrow
           "fast-admm": dict(restart="global", adaptive_rho=False, acceleration="fast-admm"),
@@ -66,6 +68,7 @@ LEVER_RUNS = [((2, 2), "channel", "paper-round"), ((2, 3), "mixed", "paper-round
               ((2, 2), "coupled", "all"), ((2, 2), "streams", "all"), ((2, 2), "channel", "bf16"),
               ((2, 3), "mixed", "bf16"), ((2, 2), "coupled", "fp16-relaxed"), ((2, 2), "channel", "fixed-rho"),
               ((2, 3), "mixed", "fixed-rho"), ((2, 2), "channel", "hold-rho2"), ((2, 3), "coupled", "hold-rho2"),
+              ((2, 2), "channel", "capped-rho"), ((2, 3), "mixed", "capped-rho"),
               ((2, 2), "channel", "fast-admm"), ((3, 1), "mixed", "fast-admm"), ((1, 3), "channel", "fast-admm"),
               ((2, 3), "coupled", "fast-admm-recipe"), ((2, 2), "mixed", "nesterov-relaxed"),
               ((2, 3), "channel", "nesterov-bf16"), ((2, 2), "channel", "average"), ((2, 3), "mixed", "average"),
@@ -128,6 +131,10 @@ def test_rounds_match_the_reference(layout, case, levers):
         round2 = list(ref_rounds[1]["gamma"].values())
         assert 0.0 in round2 and max(round2) > 0.28, round2
         assert not any(ref_rounds[2]["gamma"].values()), ref_rounds[2]["gamma"]
+    if levers == "capped-rho":   # balancing raised ρ1 and ρ2 onto the cap, and no further
+        rhos = [v for rnd in runs[0]["after"] for key in ("rho1", "rho2") for v in rnd[key].values()]
+        cap = LEVERS[levers]["rho_max"]
+        assert max(rhos) == cap and sum(v == cap for v in rhos) >= 4, sorted(set(rhos))
     if levers and levers.startswith("average"):   # the rounds after the freeze averaged: no penalty, no dual left
         last = runs[0]["after"][-1]
         assert last["frozen"] and not any(last["rho1"].values()) and not any(last["rho2"].values())

@@ -97,7 +97,11 @@ def test_coupled_channels_from_the_command_line(tmp_path, capsys):
     rc = cli.main(BASE + ["--dataset", "synthetic", "--image-size", "8", "--batch-size", "16", "--epochs", "1",
                           "--local-steps", "4", "--freeze-round", "1", "--coupled", "--out", str(out)])
     assert rc == 0, capsys.readouterr()
-    assert json.loads((out / "config.json").read_text())["config"]["coupled"] is True
+    config = json.loads((out / "config.json").read_text())["config"]
+    assert config["coupled"] is True
+    # --rho-max auto (the default), said on rank 0: (1 - momentum 0.9) / (lr 0.05 x 4 local steps)
+    assert config["round_pull"] == 1.0 and config["rho_max"] == pytest.approx(0.1 / (0.05 * 4))
+    assert "rho balanced up to 0.5 (--rho-max auto" in capsys.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["density"] < 0.47
     state = torch.load(out / "final_model.pt")["state_dict"]

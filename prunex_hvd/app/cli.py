@@ -183,6 +183,7 @@ def _number_or(kind, **words):
 _freeze_round = _number_or(int, auto="auto", none=None, **{"": None})
 _ramp_rounds = _number_or(int, auto="auto")
 _warmup_epochs = _number_or(float, auto="auto")
+_rho_max = _number_or(float, auto="auto")
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
@@ -273,6 +274,9 @@ _FLAGS = {
                              help="rounds over which every keep ratio falls from 1 to its target (cubic), masks "
                                   "freezing only after: N, auto (a quarter of the planned rounds) or 0 (the "
                                   "target from round 1)"),
+    "rho_max": dict(type=_rho_max, default="auto",
+                    help="cap of the balanced rho's: N, or auto (where a round's steps would pull θ back once its "
+                         "distance to the anchor under the proximal term alone: (1 - momentum)/(lr x local steps))"),
     "adaptive_rho": dict(help="balance primal and dual residuals per layer by rescaling rho (--no-adaptive-rho: "
                               "every rho fixed, or on the --rho-growth schedule)"),
     "masked_retrain": dict(help="after freezing, keep θ on the frozen structure (--no-masked-retrain: only z is "

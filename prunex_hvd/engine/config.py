@@ -142,6 +142,15 @@ class ConsensusConfig:
       ResNet-18 after 4.8 against 4.1): for training to the end, not for time to a target. With the two-epoch
       lr warm-up it is the best PruneX on digits, 99.44% against 98.89% (5 seeds; PacTrain 99.17%), and costs
       ResNet-18 0.38 points (98.56% against 98.94% on the same 5 seeds; 80% after 4.8 epochs against 4.2).
+    * ``rho_max`` — the cap of the balanced ρ's. Between rounds the proximal term pulls θ back toward z_i − u, and
+      the optimizer's momentum β amplifies it: a round of H steps at lr η pulls θ back H·η·ρ1/(1 − β) times its
+      distance, and balancing raised ρ1 to where that is 2–7 on digits' layers (docs/algorithm.md, "A cap from
+      the round's length"). ``prunex-hvd train --rho-max auto`` (its recipe) caps every ρ at (1 − β)/(η·H), a
+      pull of 1: 0.091 on digits, 0.18 on ResNet-18 on digits at 8×8. Measured side by side (benchmarks/README,
+      "A cap on ρ from the round's length"): digits 98.81% against 98.69% (10 seeds, higher on 5, lower on 3),
+      97% after 11.6 epochs against 13.1; ResNet-18 98.54% against 98.47% (4 seeds), 90% after 5.3 epochs
+      against 6.1; the early targets level. The default here, 10, never binds on these tasks: the library does
+      not know the lr, so set it from the formula when you wrap an optimizer yourself.
     * ``acceleration`` / ``outer_momentum`` — momentum across rounds on the inter-node tier (docs/algorithm.md,
       "Momentum across rounds"): the next round leans on an extrapolated ẑ in place of z. ``"fast-admm"``: fast
       ADMM with restart (Goldstein et al. 2014), z and the duals v extrapolated by Nesterov's sequence while the
