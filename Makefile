@@ -17,11 +17,11 @@ $(STAMP): scripts/setup.sh scripts/build_horovod.sh setup.cfg pyproject.toml
 
 # everything, real mpirun / horovodrun / torchrun launches included (what CI runs)
 test: setup
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rfEs $(PYTEST_ARGS)
 
 # the developer's loop: everything but the real launches (tests marked `launch`)
 test-fast: setup
-	$(PY) -m pytest -q -rs -m "not launch" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rfEs -m "not launch" $(PYTEST_ARGS)
 
 demo: setup
 	bash scripts/demo.sh $(PY)

@@ -1,5 +1,6 @@
 """Coupled channel pruning: which conv pairs are found, and the joint projection they get."""
 import itertools
+import threading
 
 import pytest
 import torch
@@ -176,6 +177,65 @@ def test_shared_output_and_grouped_convs_do_not_couple():
     assert dependencies.channel_couplings(TwoReaders()) == {}
     depthwise = nn.Sequential(nn.Conv2d(3, 6, 1), nn.ReLU(), nn.Conv2d(6, 6, 3, groups=6))
     assert dependencies.channel_couplings(depthwise) == {}
+
+
+def test_tracing_leaves_models_running_in_other_threads_alone():
+    """fx patches ``nn.Module.__call__`` for the whole process while it traces. The ranks of a threaded cluster
+    that already train must neither fail nor land in the graph (CI saw both, before the tracer kept to its own
+    thread), and every trace must be the model's own."""
+    traced = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.ReLU(), nn.Conv2d(6, 5, 3), nn.Flatten())
+    running = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1), nn.Flatten()).eval()
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        expected = running(x)
+    stop, failures, calls = threading.Event(), [], [0]
+
+    def train_meanwhile():
+        while not stop.is_set():
+            try:
+                with torch.no_grad():
+                    assert torch.equal(running(x), expected)
+                calls[0] += 1
+            except BaseException as exc:   # noqa: BLE001 - reported by the main thread
+                failures.append(exc)
+                return
+
+    other = threading.Thread(target=train_meanwhile, daemon=True)
+    other.start()
+    try:
+        graphs = [str(dependencies.symbolic_trace(traced).graph) for _ in range(60)]
+        couplings = [dependencies.channel_couplings(traced) for _ in range(20)]
+    finally:
+        stop.set()
+        other.join(10)
+    assert not failures, failures[0]
+    assert calls[0] > 0 and len(set(graphs)) == 1 and "call_module" in graphs[0]
+    assert all(c == {"3.weight": "0.weight"} for c in couplings)
+
+
+def test_traces_in_several_threads_at_once_leave_torch_as_it_was():
+    """Each rank of a threaded cluster traces its model while building its optimizer. Overlapping fx traces
+    undo each other's patches out of order and can leave ``nn.Module.__call__`` patched for good (in CI every
+    later test in the process failed); they must take turns."""
+    call, getattr_ = nn.Module.__call__, nn.Module.__getattr__
+    models = [nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU(), nn.Conv2d(6, 5, 3), nn.Flatten()) for _ in range(4)]
+    graphs, failures = [[] for _ in models], []
+
+    def trace_many(i):
+        try:
+            for _ in range(25):
+                graphs[i].append(str(dependencies.symbolic_trace(models[i]).graph))
+        except BaseException as exc:   # noqa: BLE001 - reported by the main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=trace_many, args=(i,), daemon=True) for i in range(len(models))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not failures, failures[0]
+    assert nn.Module.__call__ is call and nn.Module.__getattr__ is getattr_
+    assert len({g for gs in graphs for g in gs}) == 1 and all(len(gs) == 25 for gs in graphs)
 
 
 def test_untraceable_model_is_a_clear_error():

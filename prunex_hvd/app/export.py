@@ -48,7 +48,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..engine.dependencies import attention_heads
+from ..engine.dependencies import attention_heads, symbolic_trace
 
 __all__ = ["check_structured", "compare", "count_flops", "count_params", "export_run", "load", "measure_latency",
            "save", "slim"]
@@ -351,7 +351,7 @@ def slim(model: nn.Module, example_input: torch.Tensor, calibration: Optional[to
 def _plain_graph(model: nn.Module) -> nn.Module:
     """``model`` as a ``torch.fx.GraphModule``: its forward as generated code of torch.nn modules, so the
     pickle needs only torch to load."""
-    gm = torch.fx.symbolic_trace(model)
+    gm = symbolic_trace(model)
     for node in gm.graph.nodes:
         node.type = None   # string annotations (``from __future__ import annotations``) break the pickle
     gm.recompile()

@@ -26,6 +26,7 @@ projection; dropping all of them together removes the head.
 from __future__ import annotations
 
 import operator
+import threading
 from typing import Dict, List, NamedTuple, Tuple
 
 import torch
@@ -65,9 +66,43 @@ class Stream(NamedTuple):
     writers: Tuple[str, ...]
 
 
+class _ThisThreadTracer(torch.fx.Tracer):
+    """``torch.fx.Tracer`` that traces only its own thread. While fx traces it patches ``nn.Module.__call__``
+    and ``__getattr__`` for the whole process: a module called meanwhile in another thread (another rank of a
+    threaded cluster, already training) would be traced into this graph or fail. Those calls run as usual.
+    Two traces at once would also undo each other's patches out of order and leave one installed for good,
+    so :func:`symbolic_trace` runs one at a time."""
+
+    def __init__(self):
+        super().__init__()
+        self._thread = threading.get_ident()
+
+    def call_module(self, m, forward, args, kwargs):
+        if threading.get_ident() != self._thread:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if threading.get_ident() != self._thread:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+
+_ONE_TRACE_AT_A_TIME = threading.Lock()
+
+
+def symbolic_trace(model: nn.Module) -> torch.fx.GraphModule:
+    """``torch.fx.symbolic_trace(model)``, safe while other threads run models (see :class:`_ThisThreadTracer`).
+    The module it returns pickles and loads with torch alone."""
+    with _ONE_TRACE_AT_A_TIME:
+        graph = _ThisThreadTracer().trace(model)
+    graph._tracer_cls = None   # loading the pickle must not need this module
+    return torch.fx.GraphModule(model, graph, type(model).__name__)
+
+
 def _trace(model: nn.Module):
     try:
-        graph = torch.fx.symbolic_trace(model).graph
+        graph = symbolic_trace(model).graph
     except Exception as e:   # fx raises many types (TraceError, TypeError, NotImplementedError...)
         raise ValueError(f"coupled channel pruning needs a model that torch.fx can trace; tracing "
                          f"{type(model).__name__} failed: {type(e).__name__}: {e}") from None
