@@ -348,7 +348,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                            device=device)
     test_loader = ShardedLoader(data, cfg.test_batch_size, rank, topo.size, seed=cfg.seed, train=False, device=device)
     steps_per_epoch = len(train_loader)
-    auto_warmup, auto_rho_max = cfg.warmup_epochs is None, cfg.round_pull is not None
+    auto_warmup = cfg.warmup_epochs is None   # resolved() sets it; round_pull it leaves as it is
     cfg = cfg.resolved(steps_per_epoch)
     local_steps = cfg.consensus.local_steps
     total_steps = max(1, round(cfg.epochs * steps_per_epoch))
@@ -363,7 +363,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         logging.getLogger("prunex_hvd").info(
             "%s: the lr warms up linearly to %g over the first %g epoch(s) (--warmup-epochs auto; 0 turns it off)",
             cfg.method, cfg.lr, cfg.warmup_epochs)
-    if is_main and auto_rho_max and cfg.method in WARMED_UP_METHODS:
+    if is_main and cfg.round_pull is not None and cfg.method in WARMED_UP_METHODS:
         logging.getLogger("prunex_hvd").info(
             "%s: rho balanced up to %.3g (--rho-max auto: %g x (1 - momentum %g) / (lr %g x %d local steps), "
             "not below the starting rho's; --rho-max N sets it)", cfg.method, cfg.consensus.rho_max, cfg.round_pull,

@@ -91,18 +91,23 @@ class _ThisThreadTracer(torch.fx.Tracer):
 _ONE_TRACE_AT_A_TIME = threading.Lock()
 
 
+def _traced_graph(model: nn.Module) -> torch.fx.Graph:
+    """``model``'s fx graph, traced safely while other threads run models (see :class:`_ThisThreadTracer`)."""
+    with _ONE_TRACE_AT_A_TIME:
+        graph = _ThisThreadTracer().trace(model)
+    graph._tracer_cls = None   # a GraphModule pickled from it must load without this module
+    return graph
+
+
 def symbolic_trace(model: nn.Module) -> torch.fx.GraphModule:
     """``torch.fx.symbolic_trace(model)``, safe while other threads run models (see :class:`_ThisThreadTracer`).
     The module it returns pickles and loads with torch alone."""
-    with _ONE_TRACE_AT_A_TIME:
-        graph = _ThisThreadTracer().trace(model)
-    graph._tracer_cls = None   # loading the pickle must not need this module
-    return torch.fx.GraphModule(model, graph, type(model).__name__)
+    return torch.fx.GraphModule(model, _traced_graph(model), type(model).__name__)
 
 
 def _trace(model: nn.Module):
     try:
-        graph = symbolic_trace(model).graph
+        graph = _traced_graph(model)   # the walk needs the graph alone, not a GraphModule's generated code
     except Exception as e:   # fx raises many types (TraceError, TypeError, NotImplementedError...)
         raise ValueError(f"coupled channel pruning needs a model that torch.fx can trace; tracing "
                          f"{type(model).__name__} failed: {type(e).__name__}: {e}") from None
