@@ -112,6 +112,11 @@ VARIANTS: Dict[str, str] = {
     **{f"prunex-rhomax{str(m).replace('.', '')}": f"--method prunex --sparsity channel:0.5 --rho-max {m}"
        for m in (0.05, 0.1, 0.2, 1.0)},   # the recipe, residual balancing capped lower
     "prunex-rhomax-auto": "--method prunex --sparsity channel:0.5 --rho-max auto",   # capped by the round's pull
+    "prunex-noramp": "--method prunex --sparsity channel:0.5 --keep-ramp-rounds 0",   # the recipe, no keep ramp
+    # ... with the masks freezing where the command line's default puts them (a third of the rounds), not the task's
+    "prunex-noramp-freeze-auto": "--method prunex --sparsity channel:0.5 --keep-ramp-rounds 0 --freeze-round auto",
+    # ... and the masks freezing once the lr's two-epoch warm-up ends (round 2 at one round an epoch)
+    "prunex-noramp-freeze2": "--method prunex --sparsity channel:0.5 --keep-ramp-rounds 0 --freeze-round 2",
     "prunex-uncapped": "--method prunex --sparsity channel:0.5 --rho-max 10",   # the recipe before --rho-max auto
     "prunex-fixed-rho-freeze1": "--method prunex --sparsity channel:0.5 --no-adaptive-rho --freeze-round 1 "
                                 "--keep-ramp-rounds 0",
