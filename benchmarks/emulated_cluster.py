@@ -50,7 +50,8 @@ switch ports toward the hosts minus the launcher's ``tx_bytes``): the two agree 
 included). Two library figures sit next to them: ``library_inter_bytes`` (``metrics.jsonl``: the method's
 training traffic) and ``library_ledger_cross_node_bytes`` (every collective the accounting layer saw,
 including the initial model broadcast and evaluation bookkeeping; written by ``cluster/train_entry.py``
-into ``ledger.json``). A job stopped by ``--run-timeout`` still reports its time to target if it got there.
+into ``ledger.json``). A job stopped by ``--run-timeout`` still reports its time to target if it got there;
+``--stop-at-target`` stops each job as soon as a round reaches the target (status ``stopped-at-target``).
 With racks a record adds ``kernel_spine_bytes``: Σ over racks of ``tx_bytes`` of the rack switch's ``uplink``
 (the frames that left a rack for another: both directions of every rack pair, each frame once), minus the
 launcher's frames with racks 1.. (the htb counters; its ARP broadcasts stay in, a few hundred bytes);
@@ -546,6 +547,26 @@ def read_metrics(out_dir: str, target: float, racks: int = 1) -> Dict[str, objec
     return res
 
 
+class TargetReached(Exception):
+    """The job's metrics show the target: with ``--stop-at-target`` the rest of its run is not needed."""
+
+
+def wait_for_job(proc: subprocess.Popen, timeout_s: float, out_dir: str, target: Optional[float]) -> int:
+    """``proc``'s exit code; TimeoutExpired after ``timeout_s``; with a ``target``, TargetReached as soon as a
+    round of ``metrics.jsonl`` has reached it (polled every second)."""
+    if target is None:
+        return proc.wait(timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return proc.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if read_metrics(out_dir, target)["time_to_target_s"] is not None:
+                raise TargetReached() from None
+            if time.monotonic() >= deadline:
+                raise
+
+
 def run_one(args, bw: str, method: str, mca: Dict[str, str], timeout_s: float) -> Dict[str, object]:
     bw_dir = os.path.join(args.out, bw)
     out_dir = os.path.join(bw_dir, method)
@@ -572,10 +593,14 @@ def run_one(args, bw: str, method: str, mca: Dict[str, str], timeout_s: float) -
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                 start_new_session=True)
         try:
-            rc = proc.wait(timeout=timeout_s)
+            rc = wait_for_job(proc, timeout_s, out_dir, args.target if args.stop_at_target else None)
             status = "ok" if rc == 0 else "failed"
         except subprocess.TimeoutExpired:
             status = "timeout"
+            kill_group(proc)
+            rc = proc.returncode
+        except TargetReached:
+            status = "stopped-at-target"
             kill_group(proc)
             rc = proc.returncode
         except BaseException:
@@ -689,6 +714,9 @@ def main(argv=None) -> int:
                         "job (the library's default under mpirun); mpi: none (dense then is the library's "
                         "bucketed allreduce, not Horovod's optimizer)")
     p.add_argument("--run-timeout", type=float, default=600, help="seconds per job before its mpirun is killed")
+    p.add_argument("--stop-at-target", action="store_true",
+                   help="stop each job once it has reached --target (its time to target is all the run measures; "
+                        "its final accuracy is then the one at the target)")
     p.add_argument("--max-minutes", type=float, default=40, help="whole benchmark; jobs beyond it are skipped")
     p.add_argument("--out", default="runs/cluster")
     p.add_argument("--keep", action="store_true", help="leave the namespaces up at the end (debugging)")

@@ -72,6 +72,38 @@ def test_the_wait_after_the_freeze_is_read_from_the_metrics(cluster, tmp_path):
     assert "frozen_exchange_wait_per_round_s" not in cluster.read_metrics(str(tmp_path), 0.8)
 
 
+def test_stop_at_target_ends_a_job_once_its_metrics_reach_the_target(cluster, tmp_path):
+    """--stop-at-target: the job is stopped at the first round at the target, not at its end or its timeout;
+    without a target the wait is plain (exit code, or TimeoutExpired)."""
+    import subprocess
+    import sys
+    rows = [{"event": "round", "round": k, "epoch": k / 2, "wall_s": float(k), "test_acc": acc}
+            for k, acc in ((1, 0.5), (2, 0.85))]
+    script = ("import json, time, sys\n"
+              f"for r in {rows!r}:\n"
+              "    time.sleep(0.5)\n"
+              f"    open({str(tmp_path / 'metrics.jsonl')!r}, 'a').write(json.dumps(r) + '\\n')\n"
+              "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        with pytest.raises(cluster.TargetReached):
+            cluster.wait_for_job(proc, 30, str(tmp_path), 0.8)
+        assert proc.poll() is None   # still running: stopping it is the caller's (kill_group)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert cluster.read_metrics(str(tmp_path), 0.8)["time_to_target_s"] == 2.0
+    quick = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    assert cluster.wait_for_job(quick, 30, str(tmp_path / "none"), None) == 3
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):   # never at the target (0.9): the timeout still counts
+            cluster.wait_for_job(slow, 1.5, str(tmp_path), 0.9)
+    finally:
+        slow.kill()
+        slow.wait()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--methods", "prunex+x,nonsense"], "unknown method(s) ['nonsense']"),
     (["--methods", "prunex+x", "--method-args", "prunex+y=--lr 1"], "--method-args 'prunex+y=--lr 1': expected"),
