@@ -270,10 +270,10 @@ _FLAGS = {
     "freeze_round": dict(type=_freeze_round, default="auto",
                          help="round after which masks freeze: N, auto (a third of the planned rounds) or none "
                               "(only --freeze-patience)"),
-    "keep_ramp_rounds": dict(type=_ramp_rounds, default="auto",
+    "keep_ramp_rounds": dict(type=_ramp_rounds, default=0,
                              help="rounds over which every keep ratio falls from 1 to its target (cubic), masks "
-                                  "freezing only after: N, auto (a quarter of the planned rounds) or 0 (the "
-                                  "target from round 1)"),
+                                  "freezing only after: 0 (the default: the target from round 1), N, or auto (a "
+                                  "quarter of the planned rounds)"),
     "rho_max": dict(type=_rho_max, default="auto",
                     help="cap of the balanced rho's: N, or auto (where a round's steps would pull θ back once its "
                          "distance to the anchor under the proximal term alone: (1 - momentum)/(lr x local steps))"),
