@@ -270,7 +270,7 @@ _FLAGS = {
     "freeze_round": dict(type=_freeze_round, default="auto",
                          help="round after which masks freeze: N, auto (a third of the planned rounds) or none "
                               "(only --freeze-patience)"),
-    "keep_ramp_rounds": dict(type=_ramp_rounds, default=0,
+    "keep_ramp_rounds": dict(type=_ramp_rounds,
                              help="rounds over which every keep ratio falls from 1 to its target (cubic), masks "
                                   "freezing only after: 0 (the default: the target from round 1), N, or auto (a "
                                   "quarter of the planned rounds)"),
