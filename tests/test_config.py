@@ -87,7 +87,7 @@ def test_ranks_compare_every_knob():
                            "hierarchical", "round"}
     changed = {"sparsity": {"*": "channel:0.5"}, "local_steps": 5, "rho1": 0.1, "rho2": 0.1, "rho_max": 5.0,
                "adaptive_rho": False, "balance_rho2": False, "weight_decay_z": 0.1, "freeze_round": 2,
-               "freeze_patience": 9,
+               "freeze_patience": 9, "compact_compute": False,
                "masked_retrain": False, "coupled": True, "bucket_mb": 1.0, "backend": "gloo",
                "hierarchical": False, "restart": "node", "relaxation": 1.5, "rho_growth": 1.3,
                "keep_ramp_rounds": 4, "node_sync": True, "payload_dtype": "bf16", "overlap": True,
@@ -105,7 +105,8 @@ def test_ranks_compare_every_knob():
         assert differ == (set() if name == "sparsity" else {dict(rho1="rho", rho2="rho", rho_max="rho",
                           adaptive_rho="rho", balance_rho2="rho", weight_decay_z="rho",
                           freeze_round="freezing",
-                          freeze_patience="freezing", masked_retrain="freezing", restart="round",
+                          freeze_patience="freezing", masked_retrain="freezing", compact_compute="freezing",
+                          restart="round",
                           relaxation="round", rho_growth="rho", keep_ramp_rounds="freezing",
                           node_sync="round", payload_dtype="round", overlap="round",
                           overlap_steps="round", overlap_after_freeze="round", rho3="rho",

@@ -538,3 +538,25 @@ def test_a_round_in_flight_is_refused_by_an_engine_without_overlap():
             plain.load_state_dict(saved)
         return True
     assert all(run_ranks(2, 2, rank_run))
+
+
+@pytest.mark.parametrize("knobs", [dict(node_sync=True, payload_dtype="bf16", overlap_after_freeze=True,
+                                        overlap_steps=1),
+                                   dict(restart="none", overlap_after_freeze=True, overlap_steps=2)])
+def test_compact_compute_trains_the_same_overlapped_model(knobs, monkeypatch):
+    """compact_compute with overlapped rounds, the masks freezing at a fold mid-round: the layers turn compact
+    only once θ is on the frozen structure, so the run ends where the dense-compute run does (float rounding
+    apart), on every rank."""
+    from prunex_hvd.engine import compact_compute as cc
+    calls, plain = [], cc.conv2d_on_support
+    monkeypatch.setattr(cc, "conv2d_on_support", lambda *a: calls.append(1) or plain(*a))
+    finals = {}
+    for compact in (True, False):
+        calls.clear()
+        _, runs, _ = train_overlapped_on_threads(2, 2, "chain", "channel:0.5", False, compact_compute=compact,
+                                                 **knobs)
+        assert bool(calls) == compact and runs[0]["engine"].frozen
+        finals[compact] = [run["final"] for run in runs]
+    for got, want in zip(finals[True], finals[False]):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -204,6 +204,11 @@ class ConsensusConfig:
     * ``masked_retrain`` — after freezing, keep θ on the frozen structure (gradients and weights masked): the
       paper's retraining phase, so the model trained from then on is the pruned model itself. Freeze early
       enough to leave epochs for it (a third to a half of the run works well).
+    * ``compact_compute`` (default True) — with ``masked_retrain``, from the freeze until ``finalize`` every
+      structured plain ``Conv2d`` / ``Linear`` multiplies only its kept input channels and output filters
+      (:mod:`prunex_hvd.engine.compact_compute`): the same function and gradients as the masked dense layer,
+      about half the multiply-adds at ``channel:0.5``. ResNet-18 at 8×8 on one CPU thread: a retraining step
+      0.59× as long. Off: the dense layers multiply the zeros too (only to compare).
     * ``retrain`` — how the rounds after the freeze run (docs/algorithm.md, "The retraining phase"). ``"admm"``
       (default): the same ADMM round on the frozen masks, duals and residual balancing going on (with
       ``restart`` ρ2 keeps rising and z moves a fraction of the nodes' progress each round: a damped, smoothed
@@ -259,6 +264,9 @@ class ConsensusConfig:
     freeze_patience: int = _knob(3, "rounds the global mask must hold before it freezes", agree="freezing")
     masked_retrain: bool = _knob(True, "after freezing, keep θ on the frozen structure (off: only z is masked)",
                                  agree="freezing")
+    compact_compute: bool = _knob(True, "once frozen with masked_retrain: convs and linears multiply only their kept "
+                                        "channels and filters (the same model and steps, less compute)",
+                                  agree="freezing")
     coupled: Union[bool, str] = _knob(False, "channel pruning with dependencies: True (= 'pairs') or 'streams'")
     bucket_mb: float = _knob(32.0, "size of the flat buffers packed for one collective (MB)")
     backend: str = _knob("auto", "auto, mpi, gloo, nccl or horovod")
@@ -339,6 +347,8 @@ class ConsensusConfig:
             raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
         if not isinstance(self.rack_tier, bool):
             raise ValueError(f"rack_tier must be True or False, got {self.rack_tier!r}")
+        if not isinstance(self.compact_compute, bool):
+            raise ValueError(f"compact_compute must be True or False, got {self.compact_compute!r}")
         if not isinstance(self.overlap_after_freeze, bool):
             raise ValueError(f"overlap_after_freeze must be True or False, got {self.overlap_after_freeze!r}")
         if self.overlap_steps is not None and (isinstance(self.overlap_steps, bool)

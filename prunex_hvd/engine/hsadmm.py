@@ -58,7 +58,7 @@ import torch
 
 from ..dist import watchdog
 from ..dist.comm.accounting import ledger as default_ledger, ring_cross_node_bytes
-from . import admm, sparsity
+from . import admm, compact_compute, sparsity
 from .buckets import BucketLayout
 from .config import PAYLOAD_DTYPES, ConsensusConfig, Structure
 
@@ -194,9 +194,15 @@ class HSADMM:
                             torch.ones(theta.numel() // c_out, dtype=torch.bool, device=self.device))
             self.entries.append(e)
         self.structured = [e for e in self.entries if e.structured]
+        modules = dict(model.named_modules())
+        # compact_compute: the layers whose weight is a structured entry, made to compute on its frozen block
+        self._layers = [(e, m) for e in self.structured for m in [modules.get(e.name.rpartition(".")[0])]
+                        if m is not None and getattr(m, "weight", None) is e.param and compact_compute.supports(m)]
         self.round = 0
         self.frozen = False
         self.finalized = False
+        self._computing_compact = False
+        self._set_compact_compute(afresh=True)   # (layers an earlier engine left compact are made plain)
         self._round_buffers = [b.clone() for _, b in self.buffers]   # averaged in the last round: z's partner
         self._buffer_ef = [torch.zeros_like(b, dtype=self.state_dtype) for _, b in self.buffers] \
             if self.delta_coded else []
@@ -360,11 +366,37 @@ class HSADMM:
         if self._retraining_masked:
             with torch.no_grad():
                 torch._foreach_mul_([e.param for e in self.structured], self._retrain_support())
+            if not self._computing_compact:
+                self._set_compact_compute()
         f = self._in_flight
         if f is not None:
             f.steps_since += 1
             if f.steps_since == self.fold_after:
                 self.complete()
+
+    def _set_compact_compute(self, afresh: bool = False) -> None:
+        """``compact_compute``: each structured conv and linear multiplies only its kept block once θ is on the
+        frozen structure, and from then on (held there by :meth:`after_step`). Exact: θ is zero outside each
+        block. Where θ is not on it yet at the round that freezes (``restart="none"``, or an overlapped round's
+        steps before the fold), the layers multiply in full until the first step masks it. Plain layers before
+        the freeze and after :meth:`finalize`. Decided from the engine's state and θ alone, so a resumed run
+        switches where the uninterrupted one did (``afresh``: decided again, as by a new engine)."""
+        if afresh:
+            for _, layer in self._layers:
+                compact_compute.compute_in_full(layer)
+            self._computing_compact = False
+        on = self._retraining_masked and self.config.compact_compute and not self.finalized
+        if on and not self._computing_compact:
+            with torch.no_grad():
+                on = all(torch.equal(sparsity.apply_masks(e.param, e.rows, e.cols), e.param) for e, _ in self._layers)
+        if on == self._computing_compact:
+            return
+        for e, layer in self._layers:
+            if on:
+                compact_compute.compute_on_support(layer, e.rows, e.cols)
+            else:
+                compact_compute.compute_in_full(layer)
+        self._computing_compact = on
 
     def _retrain_support(self) -> List[torch.Tensor]:
         if self._support is None:
@@ -416,6 +448,7 @@ class HSADMM:
                                  w_new=w_new)        # 5–9
         self._extrapolate(*residuals, rho2_before, froze=self.frozen and not frozen_before)   # 10. where the next
         self._restart()                               #     round starts: ẑ (acceleration), θ at the consensus
+        self._set_compact_compute()
         return self._report(before, time.perf_counter() - t0, layout.total_numel, wait)
 
     def _start(self) -> tuple:
@@ -504,6 +537,7 @@ class HSADMM:
                 for e, sent in zip(self.entries, f.theta_sent):
                     target = e.z if self.config.restart == "global" else e.z_i
                     e.param.add_(sent.neg_().add_(target.to(e.param.dtype)))   # θ_sent is not needed again
+        self._set_compact_compute()
         return wait
 
     def complete(self) -> None:
@@ -1065,6 +1099,7 @@ class HSADMM:
                 e.z.copy_(sparsity.apply_masks(e.z, rows, cols))
             self._write_consensus_model()
         self.finalized = True
+        self._set_compact_compute()   # the user gets plain layers back
 
     @contextmanager
     def consensus_weights(self):
@@ -1193,6 +1228,7 @@ class HSADMM:
                                  "overlap=True (the round is folded in after the next steps)")
             self._load_in_flight(sd["in_flight"])
         self._refresh_prox()
+        self._set_compact_compute(afresh=True)   # from the loaded state and θ (load the model's first)
 
     def _load_in_flight(self, s: dict) -> None:
         """A checkpoint's round in flight, already received: folded in at the next round (or complete())."""

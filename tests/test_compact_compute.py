@@ -1,0 +1,158 @@
+"""compact_compute: a layer held on its frozen block multiplies that block alone, with the dense masked layer's
+outputs and gradients (the reference), and the engine switches it on at the freeze and off at finalize."""
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import prunex_hvd as px
+from models_for_tests import toy_cnn
+from prunex_hvd.engine import compact_compute as cc
+from prunex_hvd.engine import sparsity
+
+
+def _masked(layer, rows, cols):
+    """``layer`` with its weight zero outside ``rows ⊗ cols`` (its GEMM view), as masked retraining holds it."""
+    with torch.no_grad():
+        layer.weight.copy_(sparsity.apply_masks(layer.weight, rows, cols))
+    return layer
+
+
+def _grads(layer, x):
+    x = x.clone().requires_grad_(True)
+    layer.zero_grad()
+    y = layer(x)
+    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()   # an uneven upstream gradient
+    return y.detach(), x.grad, [p.grad.clone() for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("spec,bias", [("channel:0.5", False), ("filter:0.5", True), ("channel:0.5+filter:0.25", True),
+                                       ("channel:0.5+shape:0.5", True), ("shape:0.4", False)])
+def test_a_conv_on_its_block_is_the_masked_conv_forward_and_backward(spec, bias):
+    torch.manual_seed(0)
+    dense = nn.Conv2d(6, 8, 3, padding=1, stride=2, bias=bias)
+    rows, cols = sparsity.structured_masks(dense.weight.detach(), sparsity.parse_spec(spec))
+    _masked(dense, rows, cols)
+    compact = copy.deepcopy(dense)
+    # shape:0.4 keeps some position of every channel here: no channel to skip, the layer stays plain
+    assert cc.compute_on_support(compact, rows, cols) == (spec != "shape:0.4")
+    assert (type(compact) is nn.Conv2d) == (spec == "shape:0.4")
+    x = torch.randn(4, 6, 9, 9)
+    want, got = _grads(dense, x), _grads(compact, x)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    for g, w in zip(got[2], want[2]):   # the weight's gradient outside the block: 0 (the masked step zeroes it)
+        torch.testing.assert_close(g * (sparsity.apply_masks(torch.ones_like(g), rows, cols) if g.dim() == 4 else 1),
+                                   w * (sparsity.apply_masks(torch.ones_like(w), rows, cols) if w.dim() == 4 else 1),
+                                   rtol=1e-5, atol=1e-6)
+    assert float(sparsity.apply_masks(got[2][0], ~rows, torch.ones_like(cols)).abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("shape", [(5, 10), (3, 4, 10)])
+def test_a_linear_on_its_block_is_the_masked_linear(shape):
+    torch.manual_seed(1)
+    dense = nn.Linear(10, 7)
+    rows = torch.tensor([True, False, True, True, False, False, True])
+    cols = torch.rand(10) < 0.5
+    _masked(dense, rows, cols)
+    compact = copy.deepcopy(dense)
+    assert cc.compute_on_support(compact, rows, cols)
+    x = torch.randn(*shape)
+    want, got = _grads(dense, x), _grads(compact, x)
+    for g, w in zip(got[:2], want[:2]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2][0] * rows[:, None] * cols[None, :], want[2][0] * rows[:, None] * cols[None, :])
+    torch.testing.assert_close(got[2][1], want[2][1])   # every bias row: the dropped rows still write theirs
+
+
+def test_the_swap_survives_copies_and_pickles_and_undoes_to_the_plain_layer():
+    conv = nn.Conv2d(4, 6, 3)
+    rows, cols = torch.ones(6, dtype=torch.bool), torch.zeros(4 * 9, dtype=torch.bool)
+    cols[9:27] = True   # input channels 1 and 2
+    _masked(conv, rows, cols)
+    keys = list(conv.state_dict())
+    assert cc.compute_on_support(conv, rows, cols)
+    assert isinstance(conv, nn.Conv2d) and list(conv.state_dict()) == keys
+    x = torch.randn(2, 4, 5, 5)
+    for twin in (copy.deepcopy(conv), torch.load(io.BytesIO(_saved(conv)), weights_only=False)):
+        assert type(twin) is type(conv)
+        torch.testing.assert_close(twin(x), conv(x))
+        with torch.no_grad():
+            twin.weight.mul_(2)   # its own weight, not the original's
+        torch.testing.assert_close(twin(x) - twin.bias.view(1, -1, 1, 1),
+                                   2 * (conv(x) - conv.bias.view(1, -1, 1, 1)), rtol=1e-5, atol=1e-5)
+    cc.compute_in_full(conv)
+    assert type(conv) is nn.Conv2d and not hasattr(conv, "_in_idx")
+    cc.compute_in_full(conv)   # a no-op on a plain layer
+
+
+def _saved(module) -> bytes:
+    blob = io.BytesIO()
+    torch.save(module, blob)
+    return blob.getvalue()
+
+
+def test_layers_it_cannot_or_need_not_compact_are_left_alone():
+    grouped = nn.Conv2d(4, 4, 3, groups=2)
+    assert not cc.supports(grouped)
+    assert not cc.compute_on_support(grouped, torch.ones(4, dtype=torch.bool), torch.zeros(18, dtype=torch.bool))
+
+    class MyConv(nn.Conv2d):
+        pass
+    assert not cc.supports(MyConv(2, 2, 1)) and not cc.supports(nn.ConvTranspose2d(2, 2, 1))
+    conv = nn.Conv2d(2, 3, 1)
+    assert not cc.compute_on_support(conv, torch.ones(3, dtype=torch.bool), torch.ones(2, dtype=torch.bool))
+    assert type(conv) is nn.Conv2d   # the whole weight is the block: nothing to save
+    with pytest.raises(ValueError, match=r"masks of 3 rows x 5 columns do not fit a weight of shape \(3, 2, 1, 1\)"):
+        cc.compute_on_support(conv, torch.ones(3, dtype=torch.bool), torch.ones(5, dtype=torch.bool))
+
+
+def _run(steps=15, **kw):
+    model = toy_cnn(0)
+    opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                                  sparsity="channel:0.5", local_steps=3, rho1=0.05, rho2=0.01, freeze_round=2, **kw)
+    g = torch.Generator().manual_seed(1)
+    compact_at = []
+    for step in range(steps):
+        x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        compact_at.append(type(model[3]) is not nn.Conv2d)
+    return model, opt, compact_at
+
+
+@pytest.mark.usefixtures("single_process")
+@pytest.mark.parametrize("knobs,plain_steps", [({}, 5), ({"restart": "none"}, 6),
+                                               ({"node_sync": False, "relaxation": 1.5}, 5)])
+def test_the_engine_compacts_from_the_freeze_to_finalize_and_trains_the_same_model(knobs, plain_steps):
+    model, opt, compact_at = _run(**knobs)
+    ref, ref_opt, ref_at = _run(compact_compute=False, **knobs)
+    # frozen at the round after step 6 (2 rounds of 3 steps); θ restarts on z there, or (restart="none") is on
+    # the structure after step 7 masks it
+    assert compact_at == [False] * plain_steps + [True] * (15 - plain_steps)
+    assert not any(ref_at)
+    opt.finalize()
+    ref_opt.finalize()
+    assert all(type(m) in (nn.Conv2d, nn.Linear) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.usefixtures("single_process")
+def test_a_resumed_run_computes_on_the_block_again():
+    model, opt, _ = _run(steps=9)
+    blob = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, blob)
+    fresh = toy_cnn(0)
+    fresh_opt = px.DistributedOptimizer(torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9), fresh,
+                                        sparsity="channel:0.5", local_steps=3, rho1=0.05, rho2=0.01, freeze_round=2)
+    assert type(fresh[3]) is nn.Conv2d
+    blob.seek(0)
+    saved = torch.load(blob, weights_only=False)
+    fresh.load_state_dict(saved["model"])
+    fresh_opt.load_state_dict(saved["opt"])
+    assert type(fresh[3]) is type(model[3]) is not nn.Conv2d
+    torch.testing.assert_close(fresh[3]._in_idx, model[3]._in_idx)
