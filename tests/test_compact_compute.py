@@ -83,8 +83,13 @@ def test_the_swap_survives_copies_and_pickles_and_undoes_to_the_plain_layer():
             twin.weight.mul_(2)   # its own weight, not the original's
         torch.testing.assert_close(twin(x) - twin.bias.view(1, -1, 1, 1),
                                    2 * (conv(x) - conv.bias.view(1, -1, 1, 1)), rtol=1e-5, atol=1e-5)
+    assert "_in_idx" not in conv.state_dict()
+    before = conv(x)
+    conv.double()   # the indices stay integers
+    assert conv._in_idx.dtype == torch.int64
+    torch.testing.assert_close(conv(x.double()).float(), before, rtol=1e-5, atol=1e-6)
     cc.compute_in_full(conv)
-    assert type(conv) is nn.Conv2d and not hasattr(conv, "_in_idx")
+    assert type(conv) is nn.Conv2d and not hasattr(conv, "_in_idx") and list(conv.state_dict()) == keys
     cc.compute_in_full(conv)   # a no-op on a plain layer
 
 
@@ -156,3 +161,17 @@ def test_a_resumed_run_computes_on_the_block_again():
     fresh_opt.load_state_dict(saved["opt"])
     assert type(fresh[3]) is type(model[3]) is not nn.Conv2d
     torch.testing.assert_close(fresh[3]._in_idx, model[3]._in_idx)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_compact_layer_moves_to_the_gpu_with_its_indices():
+    conv = nn.Conv2d(4, 6, 3)
+    rows, cols = torch.ones(6, dtype=torch.bool), torch.zeros(4 * 9, dtype=torch.bool)
+    cols[:18] = True
+    _masked(conv, rows, cols)
+    x = torch.randn(2, 4, 5, 5)
+    want = conv(x)
+    assert cc.compute_on_support(conv, rows, cols)
+    conv.cuda()
+    assert conv._in_idx.is_cuda
+    torch.testing.assert_close(conv(x.cuda()).cpu(), want, rtol=1e-4, atol=1e-5)

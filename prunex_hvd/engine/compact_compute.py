@@ -8,14 +8,15 @@ and input channels ``C``. For a conv (a linear alike, channels on the last dim)
 
 exactly, and so are the gradients: ``W``'s outside the block and ``x``'s outside ``C`` are zero either way, which
 the masked step would zero anyway. At ``channel:0.5`` each conv does about half the multiply-adds (ResNet-18,
-8x8 inputs, one CPU thread: a step 0.59x as long, benchmarks/README "Compact compute"). Only the forward changes:
+8x8 inputs, one CPU thread: a step 0.60x as long, benchmarks/README "Compact compute"). Only the forward changes:
 the parameters keep their full shape and identity, so the optimizer, the consensus and checkpoints see the same
 tensors as before.
 
 :func:`conv2d_on_support` and :func:`linear_on_support` are the math (pure functions). :func:`compute_on_support`
 turns a plain ``nn.Conv2d`` / ``nn.Linear`` into one that uses them, by swapping its class for a subclass (as
-``torch.nn.utils.parametrize`` does), so a deep copy or a pickle keeps the behaviour; :func:`compute_in_full`
-turns it back. Subclasses of those layers, grouped or transposed convs are left alone (dense compute, still exact).
+``torch.nn.utils.parametrize`` does), so a deep copy or a pickle keeps the behaviour; the kept indices are
+non-persistent integer buffers, so ``.to(device)`` moves them and ``state_dict()`` does not hold them.
+:func:`compute_in_full` turns it back. Subclasses of those layers, grouped or transposed convs are left alone (dense compute, still exact).
 """
 from __future__ import annotations
 
@@ -122,7 +123,9 @@ def compute_on_support(module: nn.Module, rows: Tensor, cols: Tensor) -> bool:
         compute_in_full(module)
         return False
     module.__class__ = _SWAPS.get(type(module), type(module))
-    module._in_idx, module._out_idx = in_idx, out_idx
+    for name, idx in (("_in_idx", in_idx), ("_out_idx", out_idx)):   # buffers: they follow .to(device); not saved
+        module._buffers.pop(name, None)
+        module.register_buffer(name, idx, persistent=False)
     return True
 
 
@@ -131,4 +134,4 @@ def compute_in_full(module: nn.Module) -> None:
     plain = _PLAIN.get(type(module))
     if plain is not None:
         module.__class__ = plain
-        del module._in_idx, module._out_idx
+        del module._buffers["_in_idx"], module._buffers["_out_idx"]
