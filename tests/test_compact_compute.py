@@ -175,3 +175,23 @@ def test_a_compact_layer_moves_to_the_gpu_with_its_indices():
     conv.cuda()
     assert conv._in_idx.is_cuda
     torch.testing.assert_close(conv(x.cuda()).cpu(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_compact_layer_traces_and_exports_as_the_layer_it_was():
+    from prunex_hvd.app import export
+    from prunex_hvd.engine.dependencies import channel_couplings, symbolic_trace
+    torch.manual_seed(2)
+    model = toy_cnn(0).eval()
+    rows, cols = torch.ones(6, dtype=torch.bool), torch.zeros(8 * 9, dtype=torch.bool)
+    cols[:36] = True   # conv 3 reads channels 0-3 of conv 0's 8
+    _masked(model[3], rows, cols)
+    plain_graph = [(n.op, str(n.target)) for n in symbolic_trace(model).graph.nodes]
+    plain_pairs = channel_couplings(model)
+    x = torch.randn(4, 3, 6, 6)
+    want = model(x)
+    assert cc.compute_on_support(model[3], rows, cols)
+    assert [(n.op, str(n.target)) for n in symbolic_trace(model).graph.nodes] == plain_graph
+    assert channel_couplings(model) == plain_pairs
+    small, report = export.slim(model, x)
+    assert report["removed"] == 4 and cc.is_compact(model[3])   # conv 0's unread filters go; the model is not touched
+    torch.testing.assert_close(small(x), want, rtol=1e-4, atol=1e-5)

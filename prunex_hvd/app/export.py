@@ -48,6 +48,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..engine.compact_compute import compute_in_full
 from ..engine.dependencies import attention_heads, symbolic_trace
 
 __all__ = ["check_structured", "compare", "count_flops", "count_params", "export_run", "load", "measure_latency",
@@ -230,6 +231,8 @@ def slim(model: nn.Module, example_input: torch.Tensor, calibration: Optional[to
     check_structured(model)
     device = next(model.parameters()).device
     work = copy.deepcopy(model).cpu().eval()
+    for m in work.modules():   # layers still computing on their kept block (compact_compute): the same function
+        compute_in_full(m)
     example_input = example_input.detach().cpu()
     calibration = example_input if calibration is None else calibration.detach().cpu()
     gen = torch.Generator().manual_seed(seed)

@@ -16,7 +16,9 @@ tensors as before.
 turns a plain ``nn.Conv2d`` / ``nn.Linear`` into one that uses them, by swapping its class for a subclass (as
 ``torch.nn.utils.parametrize`` does), so a deep copy or a pickle keeps the behaviour; the kept indices are
 non-persistent integer buffers, so ``.to(device)`` moves them and ``state_dict()`` does not hold them.
-:func:`compute_in_full` turns it back. Subclasses of those layers, grouped or transposed convs are left alone (dense compute, still exact).
+:func:`compute_in_full` turns it back. Subclasses of those layers, grouped or transposed convs are left alone
+(dense compute, still exact). ``torch.fx`` traces a compact layer as the leaf it was
+(:mod:`prunex_hvd.engine.dependencies`), and export makes its copy plain first.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from torch import Tensor, nn
 
 from .sparsity import read_channels
 
-__all__ = ["compute_in_full", "compute_on_support", "conv2d_on_support", "linear_on_support", "supports"]
+__all__ = ["compute_in_full", "compute_on_support", "conv2d_on_support", "is_compact", "linear_on_support",
+           "plain_type", "supports"]
 
 
 def _scatter_rows(y: Tensor, out_idx: Tensor, n_out: int, dim: int, bias: Optional[Tensor]) -> Tensor:
@@ -127,6 +130,16 @@ def compute_on_support(module: nn.Module, rows: Tensor, cols: Tensor) -> bool:
         module._buffers.pop(name, None)
         module.register_buffer(name, idx, persistent=False)
     return True
+
+
+def is_compact(module: nn.Module) -> bool:
+    """Whether :func:`compute_on_support` made ``module`` compute on its kept block."""
+    return type(module) in _PLAIN
+
+
+def plain_type(module: nn.Module) -> type:
+    """The layer's type as the user made it (``nn.Conv2d`` for one computing on its kept block)."""
+    return _PLAIN.get(type(module), type(module))
 
 
 def compute_in_full(module: nn.Module) -> None:

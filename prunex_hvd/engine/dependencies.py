@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import compact_compute
+
 _CHANNELWISE_MODULES = (nn.BatchNorm2d, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.SiLU, nn.GELU, nn.Hardswish,
                         nn.Sigmoid, nn.Tanh, nn.ELU, nn.Mish, nn.Identity, nn.Dropout, nn.Dropout2d)
 _CHANNELWISE_FUNCTIONS = {F.relu, F.relu6, F.leaky_relu, F.silu, F.gelu, F.hardswish, F.elu, F.mish,
@@ -81,6 +83,10 @@ class _ThisThreadTracer(torch.fx.Tracer):
         if threading.get_ident() != self._thread:
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
+
+    def is_leaf_module(self, m, module_qualified_name) -> bool:
+        # a layer computing on its kept block (compact_compute) is still the conv or linear it was
+        return compact_compute.is_compact(m) or super().is_leaf_module(m, module_qualified_name)
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
         if threading.get_ident() != self._thread:
@@ -170,8 +176,10 @@ def channel_couplings(model: nn.Module) -> Dict[str, str]:
         producer = conv(x, linear=True)
         # A conv called twice (or sharing its weight) has one weight for two places in the graph: its filters or
         # input channels would belong to two groups at once, and a pair would be decided for one call only.
-        if producer is not None and type(producer) is type(consumer) and len(x.users) == 1 and \
-                _width(producer, "out") == _width(consumer, "in") and used_once(node) and used_once(x):
+        plain_type = compact_compute.plain_type   # (a layer computing on its kept block is still a conv)
+        same_kind = producer is not None and plain_type(producer) is plain_type(consumer)
+        if same_kind and len(x.users) == 1 and _width(producer, "out") == _width(consumer, "in") \
+                and used_once(node) and used_once(x):
             pairs[f"{node.target}.weight"] = f"{x.target}.weight"
     return pairs
 
