@@ -67,6 +67,25 @@ def test_a_linear_on_its_block_is_the_masked_linear(shape):
     torch.testing.assert_close(got[2][1], want[2][1])   # every bias row: the dropped rows still write theirs
 
 
+def test_autocast_and_unbatched_inputs_give_what_the_dense_layer_gives():
+    torch.manual_seed(3)
+    linear, conv = nn.Linear(8, 6), nn.Conv2d(3, 4, 3, padding=1)
+    rows, cols = torch.tensor([True, False, True, False, True, True]), torch.rand(8) < 0.5
+    conv_rows, conv_cols = torch.tensor([True, False, True, True]), torch.zeros(27, dtype=torch.bool)
+    conv_cols[9:] = True
+    _masked(linear, rows, cols), _masked(conv, conv_rows, conv_cols)
+    compact_linear, compact_conv = copy.deepcopy(linear), copy.deepcopy(conv)
+    assert cc.compute_on_support(compact_linear, rows, cols) and cc.compute_on_support(compact_conv, conv_rows,
+                                                                                        conv_cols)
+    x, img = torch.randn(5, 8), torch.randn(2, 3, 6, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):   # the bias of the dropped rows joins in the output's dtype
+        for dense, compact, inp in ((linear, compact_linear, x), (conv, compact_conv, img)):
+            want, got = dense(inp), compact(inp)
+            assert got.dtype == want.dtype == torch.bfloat16
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(compact_conv(img[0]), conv(img[0]), rtol=1e-5, atol=1e-6)   # (C, H, W)
+
+
 def test_the_swap_survives_copies_and_pickles_and_undoes_to_the_plain_layer():
     conv = nn.Conv2d(4, 6, 3)
     rows, cols = torch.ones(6, dtype=torch.bool), torch.zeros(4 * 9, dtype=torch.bool)

@@ -542,7 +542,12 @@ def test_a_round_in_flight_is_refused_by_an_engine_without_overlap():
 
 @pytest.mark.parametrize("knobs", [dict(node_sync=True, payload_dtype="bf16", overlap_after_freeze=True,
                                         overlap_steps=1),
-                                   dict(restart="none", overlap_after_freeze=True, overlap_steps=2)])
+                                   dict(restart="none", overlap_after_freeze=True, overlap_steps=2),
+                                   # every round overlapped, each folded in at the next round (no step reaches
+                                   # overlap_steps): round 3's fold moves θ off the structure again (by z − θ_sent,
+                                   # θ_sent from before the first masked step), and round 4's steps start there
+                                   dict(overlap_after_freeze=False, overlap_steps=10 * cases.LOCAL_STEPS,
+                                        freeze_round=1)])
 def test_compact_compute_trains_the_same_overlapped_model(knobs, monkeypatch):
     """compact_compute with overlapped rounds, the masks freezing at a fold mid-round: the layers turn compact
     only once θ is on the frozen structure, so the run ends where the dense-compute run does (float rounding

@@ -6,8 +6,11 @@ and input channels ``C``. For a conv (a linear alike, channels on the last dim)
 
     conv(x, W) = scatter_R( conv(x[:, C], W[R][:, C]) )     (zeros, or the bias, on the rows outside R)
 
-exactly, and so are the gradients: ``W``'s outside the block and ``x``'s outside ``C`` are zero either way, which
-the masked step would zero anyway. At ``channel:0.5`` each conv does about half the multiply-adds (ResNet-18,
+exactly, and so are the gradients the step uses: ``x``'s outside ``C`` are zero either way, and ``W``'s outside
+the block are zero here where the dense layer computes values the masked step then zeroes (so a
+``clip_grad_norm_`` or an inf check before the step sees the pruned model's gradient alone). Exact while ``W`` is
+zero outside the block: the engine switches a layer on only then, and anything else writing the weights
+(weight noise, a SAM-like perturbation) must keep them there. At ``channel:0.5`` each conv does about half the multiply-adds (ResNet-18,
 8x8 inputs, one CPU thread: a step 0.60x as long, benchmarks/README "Compact compute"). Only the forward changes:
 the parameters keep their full shape and identity, so the optimizer, the consensus and checkpoints see the same
 tensors as before.
@@ -39,10 +42,10 @@ def _scatter_rows(y: Tensor, out_idx: Tensor, n_out: int, dim: int, bias: Option
     shape = list(y.shape)
     shape[dim] = n_out
     full = y.new_zeros(shape)
-    if bias is not None:   # a dropped filter still writes its bias, as the dense layer does
+    if bias is not None:   # a dropped filter still writes its bias, as the dense layer does (in y's dtype: autocast)
         view = [1] * len(shape)
         view[dim] = n_out
-        full = full + bias.view(view)
+        full = full + bias.view(view).to(y.dtype)
     return full.index_copy(dim, out_idx, y)
 
 
@@ -50,7 +53,10 @@ def conv2d_on_support(x: Tensor, weight: Tensor, bias: Optional[Tensor], in_idx:
                       out_idx: Optional[Tensor], conv) -> Tensor:
     """``conv(x, weight, bias)`` computed on the input channels ``in_idx`` and output filters ``out_idx`` alone
     (``None``: all); equal to the dense conv when ``weight`` is zero outside them. ``conv(x, w, b)`` is the
-    layer's own (``nn.Conv2d._conv_forward``: stride, padding and padding mode)."""
+    layer's own (``nn.Conv2d._conv_forward``: stride, padding and padding mode). ``x`` is ``(N, C, H, W)`` or
+    unbatched ``(C, H, W)``."""
+    if x.dim() == 3:
+        return conv2d_on_support(x.unsqueeze(0), weight, bias, in_idx, out_idx, conv).squeeze(0)
     w, b = weight, bias
     if in_idx is not None:
         x, w = x.index_select(1, in_idx), w.index_select(1, in_idx)

@@ -367,26 +367,27 @@ class HSADMM:
             with torch.no_grad():
                 torch._foreach_mul_([e.param for e in self.structured], self._retrain_support())
             if not self._computing_compact:
-                self._set_compact_compute()
+                self._set_compact_compute(on_structure=True)
         f = self._in_flight
         if f is not None:
             f.steps_since += 1
             if f.steps_since == self.fold_after:
                 self.complete()
 
-    def _set_compact_compute(self, afresh: bool = False) -> None:
-        """``compact_compute``: each structured conv and linear multiplies only its kept block once θ is on the
-        frozen structure, and from then on (held there by :meth:`after_step`). Exact: θ is zero outside each
-        block. Where θ is not on it yet at the round that freezes (``restart="none"``, or an overlapped round's
-        steps before the fold), the layers multiply in full until the first step masks it. Plain layers before
-        the freeze and after :meth:`finalize`. Decided from the engine's state and θ alone, so a resumed run
-        switches where the uninterrupted one did (``afresh``: decided again, as by a new engine)."""
+    def _set_compact_compute(self, afresh: bool = False, on_structure: bool = False) -> None:
+        """``compact_compute``: each structured conv and linear multiplies only its kept block while θ is on the
+        frozen structure. Exact: θ is zero outside each block. Checked after every round (and fold), which can
+        leave θ off it (``restart="none"`` at the freeze; an overlapped fold moving θ by z − θ_sent with a θ_sent
+        from before the masking); the layers then multiply in full until the next step masks θ
+        (:meth:`after_step`, ``on_structure``: no check needed). Plain layers before the freeze and after
+        :meth:`finalize`. Decided from the engine's state and θ alone, so a resumed run switches where the
+        uninterrupted one did (``afresh``: decided again, as by a new engine)."""
         if afresh:
             for _, layer in self._layers:
                 compact_compute.compute_in_full(layer)
             self._computing_compact = False
         on = self._retraining_masked and self.config.compact_compute and not self.finalized
-        if on and not self._computing_compact:
+        if on and not on_structure:
             with torch.no_grad():
                 on = all(torch.equal(sparsity.apply_masks(e.param, e.rows, e.cols), e.param) for e, _ in self._layers)
         if on == self._computing_compact:
