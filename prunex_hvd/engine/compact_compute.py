@@ -10,10 +10,11 @@ exactly, and so are the gradients the step uses: ``x``'s outside ``C`` are zero 
 the block are zero here where the dense layer computes values the masked step then zeroes (so a
 ``clip_grad_norm_`` or an inf check before the step sees the pruned model's gradient alone). Exact while ``W`` is
 zero outside the block: the engine switches a layer on only then, and anything else writing the weights
-(weight noise, a SAM-like perturbation) must keep them there. At ``channel:0.5`` each conv does about half the multiply-adds (ResNet-18,
-8x8 inputs, one CPU thread: a step 0.60x as long, benchmarks/README "Compact compute"). Only the forward changes:
-the parameters keep their full shape and identity, so the optimizer, the consensus and checkpoints see the same
-tensors as before.
+(weight noise, a SAM-like perturbation) must keep them there.
+
+At ``channel:0.5`` each conv does about half the multiply-adds (ResNet-18, 8x8 inputs, one CPU thread: a step
+0.60x as long, benchmarks/README "Compact compute"). Only the forward changes: the parameters keep their full
+shape and identity, so the optimizer, the consensus and checkpoints see the same tensors as before.
 
 :func:`conv2d_on_support` and :func:`linear_on_support` are the math (pure functions). :func:`compute_on_support`
 turns a plain ``nn.Conv2d`` / ``nn.Linear`` into one that uses them, by swapping its class for a subclass (as
