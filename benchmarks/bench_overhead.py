@@ -8,10 +8,10 @@ wrapped step adds ρ1(θ − z_i + u) to every gradient (two fused foreach adds)
 masks gradients and weights, and (``compact_compute``, the default) its convs multiply only their kept channels:
 phase ``retraining`` is that, ``retraining-full`` the same with ``compact_compute=False`` (the zeros multiplied
 too), so the two phases' wrapped steps give the compact compute's speed-up. Rounds are excluded
-(``local_steps`` is set beyond the run): they are measured by the volume benchmark. Bare and wrapped steps alternate, so load on the host hits both alike; the figure
-is the median of the per-pair ratios. Target ≤ 1.05. It also times ``consensus()`` itself in one process
-(projection, shrink, recover, residuals and dual updates: the round's compute without the network), the median
-of ``--rounds`` rounds while masks still move. On CUDA every timing is synchronised.
+(``local_steps`` is set beyond the run): they are measured by the volume benchmark. Bare and wrapped steps
+alternate, so load on the host hits both alike; the figure is the median of the per-pair ratios. Target ≤ 1.05.
+It also times ``consensus()`` itself in one process (projection, shrink, recover, residuals and dual updates: the
+round's compute without the network), the median of ``--rounds`` rounds while masks still move. On CUDA every timing is synchronised.
 """
 from __future__ import annotations
 

@@ -50,6 +50,17 @@ def _scatter_rows(y: Tensor, out_idx: Tensor, n_out: int, dim: int, bias: Option
     return full.index_copy(dim, out_idx, y)
 
 
+def _kept_block(weight: Tensor, bias: Optional[Tensor], in_idx: Optional[Tensor], out_idx: Optional[Tensor]):
+    """The weight's block ``out_idx ⊗ in_idx`` (dim 0 ⊗ dim 1) and the bias of its rows."""
+    w, b = weight, bias
+    if in_idx is not None:
+        w = w.index_select(1, in_idx)
+    if out_idx is not None:
+        w = w.index_select(0, out_idx)
+        b = None if b is None else b.index_select(0, out_idx)
+    return w, b
+
+
 def conv2d_on_support(x: Tensor, weight: Tensor, bias: Optional[Tensor], in_idx: Optional[Tensor],
                       out_idx: Optional[Tensor], conv) -> Tensor:
     """``conv(x, weight, bias)`` computed on the input channels ``in_idx`` and output filters ``out_idx`` alone
@@ -58,26 +69,14 @@ def conv2d_on_support(x: Tensor, weight: Tensor, bias: Optional[Tensor], in_idx:
     unbatched ``(C, H, W)``."""
     if x.dim() == 3:
         return conv2d_on_support(x.unsqueeze(0), weight, bias, in_idx, out_idx, conv).squeeze(0)
-    w, b = weight, bias
-    if in_idx is not None:
-        x, w = x.index_select(1, in_idx), w.index_select(1, in_idx)
-    if out_idx is not None:
-        w = w.index_select(0, out_idx)
-        b = None if b is None else b.index_select(0, out_idx)
-    y = conv(x, w, b)
+    y = conv(x if in_idx is None else x.index_select(1, in_idx), *_kept_block(weight, bias, in_idx, out_idx))
     return y if out_idx is None else _scatter_rows(y, out_idx, weight.shape[0], 1, bias)
 
 
 def linear_on_support(x: Tensor, weight: Tensor, bias: Optional[Tensor], in_idx: Optional[Tensor],
                       out_idx: Optional[Tensor]) -> Tensor:
     """``F.linear(x, weight, bias)`` on the input features ``in_idx`` and output rows ``out_idx`` alone."""
-    w, b = weight, bias
-    if in_idx is not None:
-        x, w = x.index_select(-1, in_idx), w.index_select(1, in_idx)
-    if out_idx is not None:
-        w = w.index_select(0, out_idx)
-        b = None if b is None else b.index_select(0, out_idx)
-    y = F.linear(x, w, b)
+    y = F.linear(x if in_idx is None else x.index_select(-1, in_idx), *_kept_block(weight, bias, in_idx, out_idx))
     return y if out_idx is None else _scatter_rows(y, out_idx, weight.shape[0], -1, bias)
 
 

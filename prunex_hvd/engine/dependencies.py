@@ -166,6 +166,7 @@ def channel_couplings(model: nn.Module) -> Dict[str, str]:
     graph, conv, channelwise = _trace(model)
     used_once = _used_once(graph, model)
     pairs: Dict[str, str] = {}
+    plain_type = compact_compute.plain_type   # (a layer computing on its kept block is still a conv)
     for node in graph.nodes:
         consumer = conv(node, linear=True)
         if consumer is None or not node.args or not isinstance(node.args[0], torch.fx.Node):
@@ -176,7 +177,6 @@ def channel_couplings(model: nn.Module) -> Dict[str, str]:
         producer = conv(x, linear=True)
         # A conv called twice (or sharing its weight) has one weight for two places in the graph: its filters or
         # input channels would belong to two groups at once, and a pair would be decided for one call only.
-        plain_type = compact_compute.plain_type   # (a layer computing on its kept block is still a conv)
         same_kind = producer is not None and plain_type(producer) is plain_type(consumer)
         if same_kind and len(x.users) == 1 and _width(producer, "out") == _width(consumer, "in") \
                 and used_once(node) and used_once(x):

@@ -194,15 +194,18 @@ class HSADMM:
                             torch.ones(theta.numel() // c_out, dtype=torch.bool, device=self.device))
             self.entries.append(e)
         self.structured = [e for e in self.entries if e.structured]
-        modules = dict(model.named_modules())
         # compact_compute: the layers whose weight is a structured entry, made to compute on its frozen block
-        self._layers = [(e, m) for e in self.structured for m in [modules.get(e.name.rpartition(".")[0])]
-                        if m is not None and getattr(m, "weight", None) is e.param and compact_compute.supports(m)]
+        modules = dict(model.named_modules())
+        self._layers: List[tuple] = []
+        for e in self.structured:
+            layer = modules.get(e.name.rpartition(".")[0])
+            if layer is not None and getattr(layer, "weight", None) is e.param and compact_compute.supports(layer):
+                self._layers.append((e, layer))
         self.round = 0
         self.frozen = False
         self.finalized = False
-        self._computing_compact = False
-        self._set_compact_compute(afresh=True)   # (layers an earlier engine left compact are made plain)
+        self._set_compact_compute(afresh=True)   # sets _computing_compact (layers an earlier engine left compact
+                                                 # are made plain)
         self._round_buffers = [b.clone() for _, b in self.buffers]   # averaged in the last round: z's partner
         self._buffer_ef = [torch.zeros_like(b, dtype=self.state_dtype) for _, b in self.buffers] \
             if self.delta_coded else []
