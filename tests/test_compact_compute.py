@@ -11,6 +11,20 @@ import prunex_hvd as px
 from models_for_tests import toy_cnn
 from prunex_hvd.engine import compact_compute as cc
 from prunex_hvd.engine import sparsity
+from prunex_hvd.engine.sparsity import native
+
+
+@pytest.fixture(params=["aten", "kernel"])
+def block_path(request, monkeypatch):
+    """Each way a weight's block is cut out: ATen's index_select, or the native kernel (made to take every layer;
+    it takes only large ones by default)."""
+    if request.param == "kernel":
+        if native.module() is None:
+            pytest.skip("the native kernel is not built here")
+        monkeypatch.setattr(cc, "_KERNEL_NUMEL", 0)
+    else:
+        monkeypatch.setattr(cc, "_KERNEL_NUMEL", float("inf"))
+    return request.param
 
 
 def _masked(layer, rows, cols):
@@ -30,7 +44,7 @@ def _grads(layer, x):
 
 @pytest.mark.parametrize("spec,bias", [("channel:0.5", False), ("filter:0.5", True), ("channel:0.5+filter:0.25", True),
                                        ("channel:0.5+shape:0.5", True), ("shape:0.4", False)])
-def test_a_conv_on_its_block_is_the_masked_conv_forward_and_backward(spec, bias):
+def test_a_conv_on_its_block_is_the_masked_conv_forward_and_backward(spec, bias, block_path):
     torch.manual_seed(0)
     dense = nn.Conv2d(6, 8, 3, padding=1, stride=2, bias=bias)
     rows, cols = sparsity.structured_masks(dense.weight.detach(), sparsity.parse_spec(spec))
@@ -39,6 +53,7 @@ def test_a_conv_on_its_block_is_the_masked_conv_forward_and_backward(spec, bias)
     # shape:0.4 keeps some position of every channel here: no channel to skip, the layer stays plain
     assert cc.compute_on_support(compact, rows, cols) == (spec != "shape:0.4")
     assert (type(compact) is nn.Conv2d) == (spec == "shape:0.4")
+    assert (getattr(compact, "_kept_plan", None) is not None) == (block_path == "kernel" and spec != "shape:0.4")
     x = torch.randn(4, 6, 9, 9)
     want, got = _grads(dense, x), _grads(compact, x)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
@@ -51,7 +66,7 @@ def test_a_conv_on_its_block_is_the_masked_conv_forward_and_backward(spec, bias)
 
 
 @pytest.mark.parametrize("shape", [(5, 10), (3, 4, 10)])
-def test_a_linear_on_its_block_is_the_masked_linear(shape):
+def test_a_linear_on_its_block_is_the_masked_linear(shape, block_path):
     torch.manual_seed(1)
     dense = nn.Linear(10, 7)
     rows = torch.tensor([True, False, True, True, False, False, True])
@@ -59,6 +74,7 @@ def test_a_linear_on_its_block_is_the_masked_linear(shape):
     _masked(dense, rows, cols)
     compact = copy.deepcopy(dense)
     assert cc.compute_on_support(compact, rows, cols)
+    assert (compact._kept_plan is not None) == (block_path == "kernel")
     x = torch.randn(*shape)
     want, got = _grads(dense, x), _grads(compact, x)
     for g, w in zip(got[:2], want[:2]):
@@ -67,7 +83,7 @@ def test_a_linear_on_its_block_is_the_masked_linear(shape):
     torch.testing.assert_close(got[2][1], want[2][1])   # every bias row: the dropped rows still write theirs
 
 
-def test_autocast_and_unbatched_inputs_give_what_the_dense_layer_gives():
+def test_autocast_and_unbatched_inputs_give_what_the_dense_layer_gives(block_path):
     torch.manual_seed(3)
     linear, conv = nn.Linear(8, 6), nn.Conv2d(3, 4, 3, padding=1)
     rows, cols = torch.tensor([True, False, True, False, True, True]), torch.rand(8) < 0.5
@@ -86,7 +102,7 @@ def test_autocast_and_unbatched_inputs_give_what_the_dense_layer_gives():
     torch.testing.assert_close(compact_conv(img[0]), conv(img[0]), rtol=1e-5, atol=1e-6)   # (C, H, W)
 
 
-def test_the_swap_survives_copies_and_pickles_and_undoes_to_the_plain_layer():
+def test_the_swap_survives_copies_and_pickles_and_undoes_to_the_plain_layer(block_path):
     conv = nn.Conv2d(4, 6, 3)
     rows, cols = torch.ones(6, dtype=torch.bool), torch.zeros(4 * 9, dtype=torch.bool)
     cols[9:27] = True   # input channels 1 and 2
@@ -107,9 +123,47 @@ def test_the_swap_survives_copies_and_pickles_and_undoes_to_the_plain_layer():
     conv.double()   # the indices stay integers
     assert conv._in_idx.dtype == torch.int64
     torch.testing.assert_close(conv(x.double()).float(), before, rtol=1e-5, atol=1e-6)
+    conv.half()   # a dtype the kernel does not take: ATen's path
+    torch.testing.assert_close(conv(x.half()).float(), before, rtol=1e-2, atol=1e-2)
     cc.compute_in_full(conv)
-    assert type(conv) is nn.Conv2d and not hasattr(conv, "_in_idx") and list(conv.state_dict()) == keys
+    assert type(conv) is nn.Conv2d and not hasattr(conv, "_in_idx") and not hasattr(conv, "_kept_plan")
+    assert list(conv.state_dict()) == keys
     cc.compute_in_full(conv)   # a no-op on a plain layer
+
+
+@pytest.mark.parametrize("spec", ["channel:0.5", "filter:0.5+channel:0.5"])
+def test_a_gradient_of_the_gradient_is_the_masked_conv_s(spec, block_path):
+    """create_graph (a gradient penalty): the block's backward is differentiated in turn, so the kernel steps
+    aside for ATen's differentiable ops there."""
+    torch.manual_seed(4)
+    dense = nn.Conv2d(6, 8, 3, padding=1)
+    rows, cols = sparsity.structured_masks(dense.weight.detach(), sparsity.parse_spec(spec))
+    _masked(dense, rows, cols)
+    compact = copy.deepcopy(dense)
+    assert cc.compute_on_support(compact, rows, cols)
+    x = torch.randn(3, 6, 5, 5)
+    support = sparsity.apply_masks(torch.ones_like(dense.weight), rows, cols)
+    grads = []
+    for layer in (dense, compact):
+        layer.zero_grad()
+        inp = x.clone().requires_grad_(True)
+        out = torch.tanh(layer(inp))
+        g_in, g_w = torch.autograd.grad(out.pow(2).sum(), (inp, layer.weight), create_graph=True)
+        (g_in.pow(2).sum() + (g_w * support).pow(2).sum()).backward()
+        grads.append(layer.weight.grad * support)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+
+
+def test_the_kernel_takes_large_cpu_weights_only():
+    big, small = nn.Conv2d(128, 128, 3), nn.Conv2d(8, 8, 3)   # 147456 and 576 weights
+    for layer in (big, small):
+        rows, cols = torch.ones(layer.out_channels, dtype=torch.bool), torch.zeros(layer.in_channels * 9,
+                                                                                   dtype=torch.bool)
+        cols[: layer.in_channels * 9 // 2] = True
+        assert cc.compute_on_support(layer, rows, cols)
+    assert small.weight.numel() < cc._KERNEL_NUMEL <= big.weight.numel()
+    assert small._kept_plan is None and (big._kept_plan is not None) == (native.module() is not None)
+    assert cc.kept_block_plan(small.weight, small._in_idx, None) is None
 
 
 def _saved(module) -> bytes:
@@ -151,7 +205,7 @@ def _run(steps=15, **kw):
 @pytest.mark.usefixtures("single_process")
 @pytest.mark.parametrize("knobs,plain_steps", [({}, 5), ({"restart": "none"}, 6),
                                                ({"node_sync": False, "relaxation": 1.5}, 5)])
-def test_the_engine_compacts_from_the_freeze_to_finalize_and_trains_the_same_model(knobs, plain_steps):
+def test_the_engine_compacts_from_the_freeze_to_finalize_and_trains_the_same_model(knobs, plain_steps, block_path):
     model, opt, compact_at = _run(**knobs)
     ref, ref_opt, ref_at = _run(compact_compute=False, **knobs)
     # frozen at the round after step 6 (2 rounds of 3 steps); θ restarts on z there, or (restart="none") is on
