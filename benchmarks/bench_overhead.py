@@ -7,11 +7,12 @@ One process (a 1×1 cluster), same model and batch. A local step is forward, bac
 wrapped step adds ρ1(θ − z_i + u) to every gradient (two fused foreach adds) and, in the retraining phase,
 masks gradients and weights, and (``compact_compute``, the default) its convs multiply only their kept channels:
 phase ``retraining`` is that, ``retraining-full`` the same with ``compact_compute=False`` (the zeros multiplied
-too); the two then step alternately for ``compact_compute_step_ratio`` (the median of those pairs' ratios). Rounds are excluded
-(``local_steps`` is set beyond the run): they are measured by the volume benchmark. Bare and wrapped steps
-alternate, so load on the host hits both alike; the figure is the median of the per-pair ratios. Target ≤ 1.05.
-It also times ``consensus()`` itself in one process (projection, shrink, recover, residuals and dual updates: the
-round's compute without the network), the median of ``--rounds`` rounds while masks still move. On CUDA every timing is synchronised.
+too); the two then step alternately for ``compact_compute_step_ratio`` (the median of those pairs' ratios).
+Rounds are excluded (``local_steps`` is set beyond the run): they are measured by the volume benchmark. Bare and
+wrapped steps alternate, so load on the host hits both alike; the figure is the median of the per-pair ratios.
+Target ≤ 1.05. It also times ``consensus()`` itself in one process (projection, shrink, recover, residuals and
+dual updates: the round's compute without the network), the median of ``--rounds`` rounds while masks still
+move. On CUDA every timing is synchronised.
 """
 from __future__ import annotations
 
