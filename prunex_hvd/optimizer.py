@@ -78,14 +78,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self._horovod_state_init():
                 return super(self.__class__, self).step()
             found_inf = self._unscale() if scaled else None                              # (1)
-            if not self._synchronized:                                                    # (2)
+            synced_here = not self._synchronized   # no user code between this average and the step
+            if synced_here:                                                               # (2)
                 self._engine.sync_node_grads()
             self._synchronized = False
             if scaled and self._engine.syncs_node_grads:   # the node's mean decides, whoever averaged it
                 found_inf = self._check_finite(1.0)
             loss = None
             if not (scaled and found_inf.item() > 0):                                     # (3)
-                self._engine.add_proximal_grad()                                          # (4)
+                self._engine.add_proximal_grad(grads_on_structure=synced_here)            # (4)
                 with self._scaler_state_hidden():
                     loss = super(self.__class__, self).step()
             self._engine.after_step()                                                     # (5)

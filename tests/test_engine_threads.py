@@ -186,7 +186,7 @@ def train_overlapped_on_threads(num_nodes, local_size, kind, sparsity, coupled, 
 
         def step():
             eng.sync_node_grads()
-            eng.add_proximal_grad()
+            eng.add_proximal_grad(grads_on_structure=True)   # as DistributedOptimizer.step
             opt.step()
             eng.after_step()
         rank.ledger.reset()
@@ -197,7 +197,9 @@ def train_overlapped_on_threads(num_nodes, local_size, kind, sparsity, coupled, 
         eng.finalize()
         result = cases.rank_result(eng, model, rank.topo, rec["reports"], cases.engine_stats(eng),
                                    rank.ledger.summary(by_op=True))
-        return dict(rec, engine=eng, final=cases.model_state(model), result=json.loads(json.dumps(result)))
+        momentum = {name: opt.state[p]["momentum_buffer"].clone() for name, p in model.named_parameters()}
+        return dict(rec, engine=eng, final=cases.model_state(model), momentum=momentum,
+                    result=json.loads(json.dumps(result)))
     return cluster, run_ranks(num_nodes, local_size, rank_run, cluster=cluster), structure.specs
 
 
@@ -547,11 +549,13 @@ def test_a_round_in_flight_is_refused_by_an_engine_without_overlap():
                                    # overlap_steps): round 3's fold moves θ off the structure again (by z − θ_sent,
                                    # θ_sent from before the first masked step), and round 4's steps start there
                                    dict(overlap_after_freeze=False, overlap_steps=10 * cases.LOCAL_STEPS,
-                                        freeze_round=1)])
+                                        freeze_round=1, node_sync=True)])
 def test_compact_compute_trains_the_same_overlapped_model(knobs, monkeypatch):
     """compact_compute with overlapped rounds, the masks freezing at a fold mid-round: the layers turn compact
     only once θ is on the frozen structure, so the run ends where the dense-compute run does (float rounding
-    apart), on every rank."""
+    apart), on every rank. So do the optimizer's momentum buffers, which alone see whether a step's gradient was
+    masked outside the structure (θ is masked after every step): with node_sync and θ on the structure the mask
+    pass is skipped, every term of the gradient being zero there already."""
     from prunex_hvd.engine import compact_compute as cc
     calls, plain = [], cc.conv2d_on_support
     monkeypatch.setattr(cc, "conv2d_on_support", lambda *a: calls.append(1) or plain(*a))
@@ -561,7 +565,8 @@ def test_compact_compute_trains_the_same_overlapped_model(knobs, monkeypatch):
         _, runs, _ = train_overlapped_on_threads(2, 2, "chain", "channel:0.5", False, compact_compute=compact,
                                                  **knobs)
         assert bool(calls) == compact and runs[0]["engine"].frozen
-        finals[compact] = [run["final"] for run in runs]
+        finals[compact] = [dict(run["final"], **{f"momentum {k}": v for k, v in run["momentum"].items()})
+                           for run in runs]
     for got, want in zip(finals[True], finals[False]):
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)

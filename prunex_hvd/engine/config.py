@@ -208,9 +208,11 @@ class ConsensusConfig:
       structured plain ``Conv2d`` / ``Linear`` multiplies only its kept input channels and output filters
       (:mod:`prunex_hvd.engine.compact_compute`): the same function and gradients as the masked dense layer,
       about half the multiply-adds at ``channel:0.5``. ResNet-18 at 8×8 on one CPU thread: a retraining step
-      0.60× as long. The weights' gradients outside the kept blocks are 0 before the step, where dense layers
-      give values the masked step drops: a ``clip_grad_norm_`` sees the pruned model's gradient alone. Off: the
-      dense layers multiply the zeros too (only to compare).
+      0.61× as long (large weights' blocks and gradients moved by the native packing kernel: 0.9× of the step
+      with ATen's gathers). With ``node_sync`` the step also skips masking the gradients, which are then zero
+      outside the structure in every term (3-4% of that step). The weights' gradients outside the kept blocks
+      are 0 before the step, where dense layers give values the masked step drops: a ``clip_grad_norm_`` sees
+      the pruned model's gradient alone. Off: the dense layers multiply the zeros too (only to compare).
     * ``retrain`` — how the rounds after the freeze run (docs/algorithm.md, "The retraining phase"). ``"admm"``
       (default): the same ADMM round on the frozen masks, duals and residual balancing going on (with
       ``restart`` ρ2 keeps rising and z moves a fraction of the nodes' progress each round: a damped, smoothed

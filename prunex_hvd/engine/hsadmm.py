@@ -287,6 +287,14 @@ class HSADMM:
                 u = torch.add(e.u, f.du[k])
                 shift = u.sub_(z_i).mul_(e.rho1) if same else torch.sub(z_i, u, out=u)
             self._shift.append(shift)
+        # once frozen, the shift is cut to the structure too: with θ and the gradient on it, so is the whole
+        # proximal gradient, and add_proximal_grad can skip the mask pass (grads_on_structure)
+        self._shift_on_structure = self._retraining_masked
+        if self._shift_on_structure:
+            support = dict(zip(map(id, self.structured), self._retrain_support()))
+            for e, shift in zip(self.entries, self._shift):
+                if shift is not None and id(e) in support:
+                    shift.mul_(support[id(e)])
         groups: Dict[float, List[int]] = {}
         for k, e in enumerate(self.entries):
             groups.setdefault(e.rho1, []).append(k)
@@ -341,8 +349,12 @@ class HSADMM:
         """θ is held on the frozen structure (``masked_retrain`` after the freeze): its pruned entries stay 0."""
         return self.frozen and self.config.masked_retrain and bool(self.structured)
 
-    def add_proximal_grad(self) -> None:
-        """grad += ρ1(θ − z_i + u): the gradient of the intra-node penalty (Eq. 8)."""
+    def add_proximal_grad(self, grads_on_structure: bool = False) -> None:
+        """grad += ρ1(θ − z_i + u): the gradient of the intra-node penalty (Eq. 8). Once frozen the result is
+        masked to the structure, a pass over every structured gradient; ``grads_on_structure`` says the gradients
+        are zero outside it already (``node_sync``'s compact average, recovered in this very step, as
+        :meth:`prunex_hvd.DistributedOptimizer.step` does), and with θ on it (``compact_compute`` on) the pass is
+        skipped: every term is zero there."""
         for rho1, ks in self._prox_groups:
             live = [k for k in ks if self.entries[k].param.grad is not None]
             if not live or rho1 == 0.0:   # (retrain="average": no penalty once the masks froze)
@@ -356,7 +368,8 @@ class HSADMM:
                 prox = torch._foreach_sub(thetas, [self._shift[k] for k in live])
                 torch._foreach_mul_(prox, rho1)
                 torch._foreach_add_(grads, prox)
-        if self._retraining_masked:
+        if self._retraining_masked and not (grads_on_structure and self._computing_compact
+                                            and self._shift_on_structure and self.syncs_node_grads):
             torch._foreach_mul_([e.param.grad for e in self.structured if e.param.grad is not None],
                                 [m for e, m in zip(self.structured, self._retrain_support())
                                  if e.param.grad is not None])
@@ -908,7 +921,7 @@ class HSADMM:
                 for dual in (e.u, e.v, e.t):
                     if dual is not None:
                         dual.zero_()
-            self._refresh_prox()
+        self._refresh_prox()   # the shift cut to the structure (and none with retrain="average")
         if self.topo.rank == 0:
             log.info("round %d: masks frozen, density %.3f of the structured weights%s", self.round, self.density(),
                      "; from now on the rounds average (retrain='average')" if self.averaging else "")
