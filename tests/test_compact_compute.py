@@ -154,6 +154,49 @@ def test_a_gradient_of_the_gradient_is_the_masked_conv_s(spec, block_path):
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
 
 
+def test_function_transforms_and_forward_mode_give_the_masked_conv_s(block_path):
+    """torch.func (grad, jvp) and forward-mode AD cannot follow the kernel's raw pointers: ATen's ops go there."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import functional_call, grad, jvp
+    torch.manual_seed(5)
+    dense = nn.Conv2d(6, 8, 3, padding=1)
+    rows, cols = sparsity.structured_masks(dense.weight.detach(), sparsity.parse_spec("channel:0.5"))
+    _masked(dense, rows, cols)
+    compact = copy.deepcopy(dense)
+    assert cc.compute_on_support(compact, rows, cols)
+    x, w, t = torch.randn(2, 6, 5, 5), dense.weight.detach(), torch.randn_like(dense.weight)
+    support = sparsity.apply_masks(torch.ones_like(w), rows, cols)
+    t = t * support
+    got, want = ([grad(lambda v, m=m: functional_call(m, {"weight": v, "bias": m.bias}, (x,)).pow(2).sum())(w)
+                  * support for m in (compact, dense)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got, want = ([jvp(lambda v, m=m: functional_call(m, {"weight": v, "bias": m.bias}, (x,)), (w,), (t,))[1]
+                  for m in (compact, dense)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    outs = []
+    for m in (compact, dense):
+        with fwAD.dual_level():
+            out = functional_call(m, {"weight": fwAD.make_dual(w, t), "bias": m.bias}, (x,))
+            outs.append(fwAD.unpack_dual(out).tangent)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+
+def test_a_compact_layer_unpickled_before_the_kernel_loads_still_runs(monkeypatch):
+    """A compact layer saved with its kernel plan and loaded in a new process: the kernel loads on first use."""
+    conv = nn.Conv2d(128, 128, 3)
+    rows, cols = torch.ones(128, dtype=torch.bool), torch.zeros(128 * 9, dtype=torch.bool)
+    cols[: 64 * 9] = True
+    _masked(conv, rows, cols)
+    x = torch.randn(1, 128, 4, 4)
+    want = conv(x)
+    assert cc.compute_on_support(conv, rows, cols)
+    twin = torch.load(io.BytesIO(_saved(conv)), weights_only=False)
+    monkeypatch.setattr(native, "compress", None)   # as in a process that has not loaded it
+    monkeypatch.setattr(native, "expand", None)
+    monkeypatch.setitem(native._state, "tried", False)
+    torch.testing.assert_close(twin(x), want, rtol=1e-4, atol=1e-5)
+
+
 def test_the_kernel_takes_large_cpu_weights_only():
     big, small = nn.Conv2d(128, 128, 3), nn.Conv2d(8, 8, 3)   # 147456 and 576 weights
     for layer in (big, small):
@@ -217,6 +260,36 @@ def test_the_engine_compacts_from_the_freeze_to_finalize_and_trains_the_same_mod
     assert all(type(m) in (nn.Conv2d, nn.Linear) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear)))
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.usefixtures("single_process")
+def test_the_gradient_mask_is_skipped_only_where_every_structured_weight_is_checked(monkeypatch):
+    """add_proximal_grad(grads_on_structure=True) skips the mask only when θ was checked on the structure for every
+    structured weight: here one sits in a conv subclass that compact compute leaves alone, so it is masked."""
+    from prunex_hvd.engine.hsadmm import HSADMM
+
+    class MyConv(nn.Conv2d):
+        pass
+    monkeypatch.setattr(HSADMM, "syncs_node_grads", property(lambda self: True))   # as on a node of two ranks
+    for own_conv in (False, True):
+        model = toy_cnn(0)
+        if own_conv:
+            model[3].__class__ = MyConv
+        opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, sparsity="channel:0.5",
+                                      local_steps=1, freeze_round=1, node_sync=True)
+        eng = opt._engine
+        x = torch.randn(8, 3, 6, 6)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        assert eng.frozen and eng._computing_compact
+        for e in eng.structured:
+            e.param.grad = torch.ones_like(e.param)   # nonzero outside the structure: the mask alone clears it
+        eng.add_proximal_grad(grads_on_structure=True)
+        outside = sum(float((e.param.grad * (1 - m)).abs().sum()) for e, m in zip(eng.structured,
+                                                                               eng._retrain_support()))
+        assert (outside == 0.0) == own_conv
 
 
 @pytest.mark.usefixtures("single_process")

@@ -74,7 +74,12 @@ class _KeptBlock(torch.autograd.Function):
     def forward(ctx, weight: Tensor, plan: KeptBlockPlan, n_in: int):
         ctx.plan, ctx.shape = plan, weight.shape
         block = shrink(weight.detach(), plan.row_idx, plan.col_idx, plan=plan.kernel)
-        return block.view(block.shape[0], n_in, *weight.shape[2:])
+        ctx.block_shape = (block.shape[0], n_in, *weight.shape[2:])
+        return block.view(ctx.block_shape)
+
+    @staticmethod
+    def jvp(ctx, tangent: Tensor, *_):   # forward-mode AD (a dual weight): the tangent's block, by ATen
+        return shrink(tangent, ctx.plan.row_idx, ctx.plan.col_idx, plan=None).view(ctx.block_shape)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -96,13 +101,19 @@ def kept_block_plan(weight: Tensor, in_idx: Optional[Tensor], out_idx: Optional[
     return KeptBlockPlan(kernel, rows, cols) if isinstance(kernel, KernelPlan) else None
 
 
+def _transformed(weight: Tensor) -> bool:
+    """Whether ``weight`` is traced by ``torch.compile`` or wrapped by a ``torch.func`` transform (grad, vmap,
+    jvp): the kernel writes through raw pointers, which neither can follow, so ATen's ops go there."""
+    return torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(weight)
+
+
 def _kept_block(weight: Tensor, bias: Optional[Tensor], in_idx: Optional[Tensor], out_idx: Optional[Tensor],
                 plan: Optional[KeptBlockPlan] = None):
     """The weight's block ``out_idx ⊗ in_idx`` (dim 0 ⊗ dim 1) and the bias of its rows. ``plan``
     (:func:`kept_block_plan`): the weight's block by the native kernel, where it takes the weight."""
     b = bias if bias is None or out_idx is None else bias.index_select(0, out_idx)
     if plan is not None and weight.is_cpu and weight.dtype in (torch.float32, torch.float64) \
-            and weight.is_contiguous():
+            and weight.is_contiguous() and not _transformed(weight):
         return _KeptBlock.apply(weight, plan, weight.shape[1] if in_idx is None else in_idx.numel()), b
     w = weight
     if out_idx is not None:   # rows first: the dim-1 gather and its backward then run over fewer rows

@@ -201,6 +201,8 @@ class HSADMM:
             layer = modules.get(e.name.rpartition(".")[0])
             if layer is not None and getattr(layer, "weight", None) is e.param and compact_compute.supports(layer):
                 self._layers.append((e, layer))
+        # θ is checked on the structure over these layers' weights alone: the gradient-mask skip needs them all
+        self._layers_cover_structure = len(self._layers) == len(self.structured)
         self.round = 0
         self.frozen = False
         self.finalized = False
@@ -369,7 +371,8 @@ class HSADMM:
                 torch._foreach_mul_(prox, rho1)
                 torch._foreach_add_(grads, prox)
         if self._retraining_masked and not (grads_on_structure and self._computing_compact
-                                            and self._shift_on_structure and self.syncs_node_grads):
+                                            and self._layers_cover_structure and self._shift_on_structure
+                                            and self.syncs_node_grads):
             torch._foreach_mul_([e.param.grad for e in self.structured if e.param.grad is not None],
                                 [m for e, m in zip(self.structured, self._retrain_support())
                                  if e.param.grad is not None])

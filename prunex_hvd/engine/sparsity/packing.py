@@ -102,6 +102,8 @@ def _run_kernel(expand: bool, plan: KernelPlan, full: Tensor, block: Tensor) -> 
     """One kernel pass, ``full`` → ``block`` (shrink) or back (``expand``), if the tensors are what it takes
     (CPU, contiguous, one 4- or 8-byte dtype, the plan's sizes); else False, for ATen's path. Kept lean: on a
     small layer this Python takes as long as the pass itself."""
+    if native.compress is None and native.module() is None:   # a plan unpickled before anything loaded the kernel
+        return False
     numel = plan.n_rows * plan.n_cols
     r, c = plan.block_shape
     if not (full.dtype is block.dtype and full.is_cpu and block.is_cpu and full.numel() == numel
