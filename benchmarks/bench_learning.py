@@ -32,7 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchjson import emit  # noqa: E402
 from prunex_hvd.app.report import epochs_to_target, load_run, make_report  # noqa: E402
 
-# the shared recipe of each task: what a user would run, the same for every method
+# the shared recipe of each task: what a user would run, the same for every method. Each pins the round the masks
+# freeze after, as every table before 2026-11-28 ran; the command line's recipe has frozen after round 1 since
+# (variant prunex-freeze1, benchmarks/README "Masks frozen after round 1")
 TASKS: Dict[str, dict] = {
     # make demo's task: 1,797 real handwritten digits, 16×16
     "digits": dict(args="--model resnet_small --dataset digits --epochs 24 --batch-size 16 --lr 0.05 "
@@ -101,12 +103,13 @@ VARIANTS: Dict[str, str] = {
     "prunex-restart-sync-freeze10": prunex(levers="--restart global --node-sync --freeze-round 10"),
     "prunex-restart-sync-ramp8-freeze12": prunex(levers="--restart global --node-sync --keep-ramp-rounds 8 "
                                                         "--freeze-round 12"),
-    # the command line's defaults (whatever they are now)
+    # the command line's defaults (whatever they are now), the masks freezing at the task's round
     "prunex": "--method prunex --sparsity channel:0.5",
     "prunex-no-warmup": "--method prunex --sparsity channel:0.5 --warmup-epochs 0",   # the recipe without its warm-up
     "prunex-bf16": "--method prunex --sparsity channel:0.5 --payload-dtype bf16",
     "prunex-fp16": "--method prunex --sparsity channel:0.5 --payload-dtype fp16",
     "prunex-fixed-rho": "--method prunex --sparsity channel:0.5 --no-adaptive-rho",   # ρ held at 0.01 / 0.001
+    # the recipe since 2026-11-28 (its masks freeze after round 1 whatever the task pins)
     "prunex-freeze1": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0",
     "prunex-hold-rho2": "--method prunex --sparsity channel:0.5 --no-balance-rho2",   # ρ1 balanced, ρ2 held
     **{f"prunex-rhomax{str(m).replace('.', '')}": f"--method prunex --sparsity channel:0.5 --rho-max {m}"

@@ -11,7 +11,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
 export OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
 rm -rf "$OUT"
 TRAIN=("$BIN/prunex-hvd" train --model resnet_small --dataset digits --method prunex --sparsity channel:0.5
-       --epochs 24 --local-epochs 1 --batch-size 16 --lr 0.05 --freeze-round 8
+       --epochs 24 --local-epochs 1 --batch-size 16 --lr 0.05
        --out "$OUT")
 echo "== PruneX on digits: 4 ranks = 2 emulated nodes x 2, launcher $LAUNCHER =="
 if [ "$LAUNCHER" = horovodrun ]; then

@@ -122,9 +122,10 @@ def test_the_training_config_embeds_the_consensus_and_reads_flat_names():
     flat = cfg.as_dict()
     assert "consensus" not in flat and {k: flat[k] for k in KNOBS} == cfg.consensus.knobs()
     assert TrainConfig.from_flat(**flat) == cfg   # as_dict and from_flat are each other's inverse
-    default = TrainConfig.from_flat(local_steps=None, freeze_round="auto", keep_ramp_rounds=0)   # the CLI's
+    default = TrainConfig.from_flat(local_steps=None, freeze_round=1, keep_ramp_rounds=0)   # the CLI's
     assert default == TrainConfig() and default.consensus == RECIPE and RECIPE.keep_ramp_rounds == 0
-    assert (default.freeze_fraction, default.ramp_fraction) == (AUTO_FREEZE, None)
+    assert (default.freeze_fraction, default.ramp_fraction, RECIPE.freeze_round) == (None, None, 1)
+    assert TrainConfig.from_flat(freeze_round="auto").freeze_fraction == AUTO_FREEZE
     assert TrainConfig.from_flat(keep_ramp_rounds="auto").ramp_fraction == AUTO_RAMP
     assert TrainConfig.from_flat(keep_ramp_rounds=5).ramp_fraction is None   # a number asked for counts
     with pytest.raises(TypeError, match="unexpected keyword argument 'rho'"):   # neither a knob nor a field
@@ -134,11 +135,12 @@ def test_the_training_config_embeds_the_consensus_and_reads_flat_names():
 @pytest.mark.parametrize("epochs,steps_per_epoch,local_epochs", [(10, 7, 1.0), (9, 10, 1.0), (3, 5, 0.5),
                                                                  (1, 4, 1.0), (12, 3, 1.0)])
 def test_the_schedule_in_epochs_resolves_as_before(epochs, steps_per_epoch, local_epochs):
-    """local_steps from local_epochs, 'auto' freezing at a third of the planned rounds (the formula the
-    trainer used before the config was embedded), no keep ramp by default and the 'auto' one over a quarter."""
+    """local_steps from local_epochs, the masks freezing after round 1 by default and 'auto' at a third of the
+    planned rounds (the formula the trainer used before the config was embedded), no keep ramp by default and the
+    'auto' one over a quarter."""
     resolved = TrainConfig(epochs=epochs, local_epochs=local_epochs).resolved(steps_per_epoch).consensus
-    assert resolved.keep_ramp_rounds == 0
-    resolved = TrainConfig(epochs=epochs, local_epochs=local_epochs,
+    assert (resolved.keep_ramp_rounds, resolved.freeze_round) == (0, 1)
+    resolved = TrainConfig(epochs=epochs, local_epochs=local_epochs, freeze_fraction=AUTO_FREEZE,
                            ramp_fraction=AUTO_RAMP).resolved(steps_per_epoch).consensus
     local_steps = max(1, round(local_epochs * steps_per_epoch))
     rounds = math.ceil(max(1, round(epochs * steps_per_epoch)) / local_steps)

@@ -197,13 +197,20 @@ class ConsensusConfig:
       write. A stage that can remove nothing from a layer (``channel:K`` on a 1-channel stem or a depthwise
       conv) is one warning on rank 0.
     * ``freeze_round`` / ``freeze_patience`` — masks stop moving after that round, or once the global mask is
-      unchanged for that many rounds; then buffers are allocated once and projection is skipped. Freezing
-      after round 1 without a ramp (channels chosen from one epoch's model, the rest retraining them) won on
-      digits (99.17% against 98.61%, 95% after 6.8 epochs against 8.0, 5 seeds) and lost on ResNet-18 (97.06%
-      against 98.39%): the recipe freezes after a third of the rounds, behind a ramp over the first quarter.
+      unchanged for that many rounds; then buffers are allocated once and projection is skipped, and with
+      ``compact_compute`` every later round computes as the pruned model. With ``restart="global"`` the mask
+      stops moving after round 1 (each round starts from z, zero off its support, so the projection keeps
+      round 1's channels: drift 0 in rounds 2-4 of all 30 ResNet-18 runs measured), and the rounds before a
+      later freeze only multiply the pruned channels too. The CLI's recipe (with its two-epoch lr warm-up)
+      therefore freezes after round 1. Against freezing a third of the way (digits) or at round 4 (ResNet-18
+      at 8×8), paired by seed: ResNet-18 98.82% against 98.68% (4 seeds; 90% after 4.9 epochs against 5.4),
+      digits 98.90% against 98.99% (20; 90% after 6.6 epochs against 7.2), synthetic level (80% after 4.0
+      against 5.5); 0.80 on the emulated cluster in 0.91× the time (5 seeds). Before the warm-up, round 1 at
+      the full lr chose worse channels: ResNet-18 lost 1.3 points then. The library's default waits for the
+      patience (three unchanged rounds).
     * ``masked_retrain`` — after freezing, keep θ on the frozen structure (gradients and weights masked): the
       paper's retraining phase, so the model trained from then on is the pruned model itself. Freeze early
-      enough to leave epochs for it (a third to a half of the run works well).
+      enough to leave epochs for it (the recipe: all but the first round).
     * ``compact_compute`` (default True) — with ``masked_retrain``, from the freeze until ``finalize`` every
       structured plain ``Conv2d`` / ``Linear`` multiplies only its kept input channels and output filters
       (:mod:`prunex_hvd.engine.compact_compute`): the same function and gradients as the masked dense layer,
