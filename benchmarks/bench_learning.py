@@ -118,7 +118,8 @@ VARIANTS: Dict[str, str] = {
     "prunex-noramp": "--method prunex --sparsity channel:0.5 --keep-ramp-rounds 0",   # the recipe, no keep ramp
     # the recipe before the sixth sweep (2026-11-27): the keep ramp over the first quarter of the rounds
     "prunex-ramp-auto": "--method prunex --sparsity channel:0.5 --keep-ramp-rounds auto",
-    # ... with the masks freezing where the command line's default puts them (a third of the rounds), not the task's
+    # ... with the masks freezing where --freeze-round auto puts them (a third of the rounds; the command line's
+    # default until 2026-11-28), not the task's
     "prunex-noramp-freeze-auto": "--method prunex --sparsity channel:0.5 --keep-ramp-rounds 0 --freeze-round auto",
     # ... and the masks freezing once the lr's two-epoch warm-up ends (round 2 at one round an epoch)
     "prunex-noramp-freeze2": "--method prunex --sparsity channel:0.5 --keep-ramp-rounds 0 --freeze-round 2",

@@ -86,7 +86,8 @@ hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 optimizer = px.DistributedOptimizer(optimizer, model, sparsity=args.sparsity,  # PruneX: one round an epoch,
                                     local_steps=len(train_loader),              # prunex-hvd train's recipe:
                                     node_sync=True, rho1=0.01, rho2=0.001, payload_dtype="bf16",
-                                    freeze_round=max(1, args.epochs // 3))
+                                    freeze_round=max(1, args.epochs // 3))   # a third: no lr warm-up
+# here, and round 1 at the full lr chooses worse channels (prunex-hvd train warms up, then freezes after 1)
 # the autocast dtype of this device: float16 with a GradScaler on GPUs, bfloat16 on CPUs
 amp_dtype = torch.float16 if args.cuda else torch.bfloat16
 scaler = torch.amp.GradScaler(device) if args.use_mixed_precision else None

@@ -158,6 +158,10 @@ def test_every_knob_but_the_methods_own_is_a_flag_with_the_recipe_default():
     args = parser.parse_args(["train"])
     cfg = cli._train_config(args)
     assert cfg == TrainConfig()
+    auto = cli._train_config(parser.parse_args(["train", "--freeze-round", "auto"]))
+    assert (auto.freeze_fraction, auto.consensus.freeze_round) == (AUTO_FREEZE, 1)   # the fraction decides
+    unset = cli._train_config(parser.parse_args(["train", "--freeze-round", "none"]))
+    assert (unset.freeze_fraction, unset.consensus.freeze_round) == (None, None)   # only the patience
     flags = {a.dest for a in parser._subparsers._group_actions[0].choices["train"]._actions}
     assert set(KNOBS) - flags == {"hierarchical"}   # prunex or prunex-flat decides
     argv = ["train", "--rho1", "0.3", "--no-adaptive-rho", "--no-masked-retrain", "--coupled-streams",

@@ -51,12 +51,8 @@ from .data import AUGMENTS, ShardedLoader, load_dataset
 # length (--rho-max auto, AUTO_ROUND_PULL).
 RECIPE = ConsensusConfig(rho1=0.01, rho2=0.001, adaptive_rho=True, restart="global", node_sync=True,
                          payload_dtype="bf16", freeze_round=1)
-# The masks freeze after round 1: with restart="global" every round starts from z, zero off its support, so the
-# channels round 1 chose keep winning the projection (mask drift 0 in rounds 2-4 of every ResNet-18 run measured),
-# and the rounds that let them "move" only computed at full width. Frozen after round 1 the later rounds compute as
-# the pruned model (compact_compute). Against a third of the rounds (digits) or round 4 (ResNet-18 at 8x8), paired
-# by seed (benchmarks/README, "Masks frozen after round 1"): ResNet-18 98.82% against 98.68% (4), digits 98.90
-# against 98.99% (20), synthetic level, every target sooner; the emulated cluster's 0.80 in 0.91x the time (5).
+# The masks freeze after round 1, behind the lr warm-up: why, and the figures, in ConsensusConfig's tuning guide
+# (freeze_round) and benchmarks/README, "Masks frozen after round 1".
 AUTO_FREEZE = 1 / 3   # --freeze-round auto: masks move for the first third, the rest retrains the structure
 AUTO_RAMP = 1 / 4     # --keep-ramp-rounds auto: the kept fraction falls from 1 to its target over the first quarter
 # The recipe has no keep ramp since the warm-up chooses the channels (benchmarks/README, "The keep ramp with the
