@@ -153,6 +153,23 @@ def test_the_schedule_in_epochs_resolves_as_before(epochs, steps_per_epoch, loca
         (4, None, 3)
 
 
+def test_a_resume_names_the_settings_that_changed_but_not_how_it_is_launched():
+    """What the trainer warns about on --resume: config.json as the run so far wrote it (resolved, through JSON)
+    against the resumed run's settings."""
+    import json
+
+    from prunex_hvd.app.train import changed_settings
+    began = json.loads(json.dumps(TrainConfig(freeze_fraction=AUTO_FREEZE).resolved(22).as_dict()))
+    same = TrainConfig(freeze_fraction=AUTO_FREEZE, resume=True, threads=2, stop_after_rounds=3).resolved(22)
+    assert changed_settings(began, same.as_dict()) == []
+    now = TrainConfig(lr=0.1).resolved(22)   # the default since 83bcfa5: masks frozen after round 1, not a third
+    assert changed_settings(began, now.as_dict()) == ["freeze_fraction 0.3333333333333333 -> None",
+                                                      "freeze_round 3 -> 1", "lr 0.05 -> 0.1",
+                                                      "rho_max 0.09090909090909088 -> 0.04545454545454544"]
+    del began["overlap"]   # a knob the earlier version did not have
+    assert changed_settings(began, now.as_dict())[0] == "freeze_fraction 0.3333333333333333 -> None"
+
+
 def test_every_knob_but_the_methods_own_is_a_flag_with_the_recipe_default():
     parser = cli.build_parser()
     args = parser.parse_args(["train"])

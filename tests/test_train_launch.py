@@ -123,7 +123,7 @@ def test_overlapped_resume_equals_uninterrupted(tmp_path, fold, when):
     assert_same_run(ref, out)
 
 
-def test_checkpoint_of_another_job_is_refused_on_every_rank(tmp_path):
+def test_checkpoint_of_another_job_is_refused_on_every_rank_and_a_changed_setting_named(tmp_path):
     out = tmp_path / "run"
     assert train(out, "--stop-after-rounds", "1").returncode == 0
     manifest = (out / "checkpoint.json").read_bytes()
@@ -132,6 +132,10 @@ def test_checkpoint_of_another_job_is_refused_on_every_rank(tmp_path):
     assert proc.stdout.count("cannot resume from") == 4, proc.stdout[-4000:]
     assert "sparsity was 'channel:0.5', now 'channel:0.25'" in proc.stdout
     assert (out / "checkpoint.json").read_bytes() == manifest
+    proc = train(out, "--resume", "--freeze-round", "2", "--threads", "2", "--stop-after-rounds", "1")
+    assert proc.returncode == 0, proc.stdout[-4000:]     # another setting is taken, said once, launch flags not
+    assert proc.stdout.count("resumed with settings other than the run's so far (its config.json): freeze_round "
+                             "3 -> 2\n") == 1, proc.stdout[-4000:]
     proc = train(out)                                   # a new run over it is refused too
     assert proc.returncode != 0 and proc.stdout.count("already holds a run") == 4, proc.stdout[-4000:]
     shutil.rmtree(out / "ckpt")                         # the manifest names files that are gone

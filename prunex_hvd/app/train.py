@@ -319,6 +319,30 @@ class _MetricsLog:
                 f.write(json.dumps(record) + "\n")
 
 
+# what only says how this launch runs, not what the job computes: free to change between a run's slices
+_LAUNCH_SETTINGS = frozenset({"out", "resume", "stop_after_rounds", "checkpoint_every", "threads", "timeout", "progress",
+                              "data_dir"})
+
+
+def changed_settings(began: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
+    """The settings a resumed run changes from the run's so far (both :meth:`TrainConfig.as_dict`; knobs the
+    earlier run did not have are left out), as ``"knob old -> new"``. The checkpoint refuses another job (model,
+    data, ranks, ...) and takes these, but a default that moved between versions (``freeze_round``) would
+    otherwise change the run without a word."""
+    now = json.loads(json.dumps(now))   # as config.json holds it (tuples as lists)
+    return [f"{k} {began[k]!r} -> {now.get(k)!r}" for k in sorted(began)
+            if k not in _LAUNCH_SETTINGS and began[k] != now.get(k)]
+
+
+def _began_with(out: str) -> Dict[str, Any]:
+    """The settings in ``out``'s config.json ({} where it is missing or unreadable: nothing to compare)."""
+    try:
+        with open(os.path.join(out, "config.json")) as f:
+            return dict(json.load(f).get("config") or {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 _BYTE_KEYS = ("inter_bytes", "intra_bytes", "dense_inter_bytes", "cross_rack_bytes")
 
 
@@ -393,6 +417,11 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
             random.setstate(state["rng"]["python"])
             np.random.set_state(state["rng"]["numpy"])
             step, wall_offset, resumed = int(state["step"]), float(state["wall_s"]), True
+            began = _began_with(cfg.out) if is_main else {}
+            changed = changed_settings(began, cfg.as_dict()) if began else []
+            if changed:
+                logging.getLogger("prunex_hvd").warning(
+                    "resumed with settings other than the run's so far (its config.json): %s", "; ".join(changed))
     log = _MetricsLog(os.path.join(cfg.out, "metrics.jsonl"), is_main, step if resumed else None)
     if is_main:
         checkpoint.atomic_write_json(os.path.join(cfg.out, "config.json"),
