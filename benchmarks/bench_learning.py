@@ -111,6 +111,14 @@ VARIANTS: Dict[str, str] = {
     "prunex-fixed-rho": "--method prunex --sparsity channel:0.5 --no-adaptive-rho",   # ρ held at 0.01 / 0.001
     # the recipe since 2026-11-28 (its masks freeze after round 1 whatever the task pins)
     "prunex-freeze1": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0",
+    # ... retraining by plain averaging from round 2; ... with ρ2 held (ρ1 still balanced)
+    "prunex-freeze1-average": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
+                              "--retrain average",
+    "prunex-freeze1-hold-rho2": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
+                                "--no-balance-rho2",
+    # without the lr warm-up: frozen after round 1, or a third of the way (--freeze-round auto)
+    **{f"prunex-no-warmup-freeze{f}": f"--method prunex --sparsity channel:0.5 --warmup-epochs 0 --freeze-round {f} "
+                                      "--keep-ramp-rounds 0" for f in ("1", "auto")},
     "prunex-hold-rho2": "--method prunex --sparsity channel:0.5 --no-balance-rho2",   # ρ1 balanced, ρ2 held
     **{f"prunex-rhomax{str(m).replace('.', '')}": f"--method prunex --sparsity channel:0.5 --rho-max {m}"
        for m in (0.05, 0.1, 0.2, 1.0)},   # the recipe, residual balancing capped lower

@@ -47,7 +47,9 @@ class ConsensusConfig:
       ramp cuts channels from what they made. With the CLI's recipe, side by side (no warm-up / one epoch / two):
       ResNet-18 on digits at 8×8 97.22 / 98.57 / 98.81% at the end (7 seeds; two epochs against one higher on 4,
       level on 1, lower on 2), 80% after 4.6 / 4.4 / 4.3 epochs, 90% after 6.2 / 6.1 / 4.9; digits 98.44 /
-      98.61 / 98.89% (5 seeds; 95% after 9.6 epochs with one, 10.6 with two); synthetic level.
+      98.61 / 98.89% (5 seeds; 95% after 9.6 epochs with one, 10.6 with two); synthetic level. With the masks
+      frozen after round 1, none against two: ResNet-18 95.56% against 98.70% (3 seeds), digits 99.00% against
+      98.89% (10; 90% after 5.5 epochs against 6.3, as PacTrain's 5.4): digits does not need it, ResNet-18 does.
     * ``restart`` — where θ starts each round's local steps: ``"global"`` (the default) sets every rank's θ to
       the new consensus z after each round, as local SGD restarts from the average; ``"node"`` to its node's
       z_i; ``"none"`` leaves θ where its steps took it (the paper's round). Only the start of ADMM's inexact
@@ -144,7 +146,9 @@ class ConsensusConfig:
       (99.00% / 98.50%, 5 seeds) but later to the targets (95% on digits after 9.0 epochs against 8.0, 80% on
       ResNet-18 after 4.8 against 4.1): for training to the end, not for time to a target. With the two-epoch
       lr warm-up it is the best PruneX on digits, 99.44% against 98.89% (5 seeds; PacTrain 99.17%), and costs
-      ResNet-18 0.38 points (98.56% against 98.94% on the same 5 seeds; 80% after 4.8 epochs against 4.2).
+      ResNet-18 0.38 points (98.56% against 98.94% on the same 5 seeds; 80% after 4.8 epochs against 4.2). With
+      the masks frozen after round 1: digits 99.08% against 98.89% (10 seeds; 90% after 7.4 epochs against 6.3),
+      ResNet-18 98.89% against 98.82% (4; 90% after 6.2 against 4.9).
     * ``rho_max`` — the cap of the balanced ρ's. Between rounds the proximal term pulls θ back toward z_i − u, and
       the optimizer's momentum β amplifies it: a round of H steps at lr η pulls θ back H·η·ρ1/(1 − β) times its
       distance, and balancing raised ρ1 to where that is 2–7 on digits' layers (docs/algorithm.md, "A cap from
@@ -233,7 +237,9 @@ class ConsensusConfig:
       zigzags for the first rounds after the freeze (72% → 82% → 77% → 83% on one seed) and reaches 90% 1.0
       epoch later (7.2 against 6.2). With the two-epoch lr warm-up (the recipe now) the trade remains, on the
       same seeds: digits 98.97% against 98.69% (10 seeds, higher on 7), ResNet-18 98.61% against 98.81% (7
-      seeds, higher on none; 90% after 6.1 epochs against 4.9). Off by default, here and in ``prunex-hvd
+      seeds, higher on none; 90% after 6.1 epochs against 4.9); with the masks frozen after round 1, digits
+      99.03% against 98.89% (10; 90% after 7.1 epochs against 6.3), ResNet-18 98.47% against 98.82% (4; 90%
+      after 7.5 against 4.9). Off by default, here and in ``prunex-hvd
       train``: for training to the end on a task like digits, not for an early target. Needs
       ``weight_decay_z=0`` and no ``"fast-admm"``; resume with the same setting.
     * ``coupled`` — channel pruning with dependencies (Torch-Pruning's "group"): when conv B reads conv A's
