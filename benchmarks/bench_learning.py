@@ -165,6 +165,8 @@ VARIANTS: Dict[str, str] = {
     "prunex-heads": "--method prunex --sparsity head:0.5",
     "prunex-neurons": "--method prunex --sparsity neuron:0.5 --coupled",
     "prunex-vit": "--method prunex --sparsity head:0.5+neuron:0.5 --coupled",
+    "prunex-vit-freeze1": "--method prunex --sparsity head:0.5+neuron:0.5 --coupled --freeze-round 1 "
+                          "--keep-ramp-rounds 0",   # ... frozen after round 1 (the recipe since 2026-11-28)
     "pactrain-vit": "--method pactrain --sparsity head:0.5+neuron:0.5",   # the same layers, unstructured
 }
 
