@@ -88,16 +88,18 @@ def load_run(path) -> dict:
             summary = None          # a torn summary is as good as none: fall back to the metrics
         if not isinstance(summary, dict):
             summary = None
-    config = None
-    cfile = d / "config.json"   # the trainer writes it at start: an interrupted run's setup is still known
-    if cfile.is_file():
-        try:
-            config = json.loads(cfile.read_text()).get("config")
-        except (json.JSONDecodeError, AttributeError):
-            config = None
     return {"name": d.resolve().name, "dir": str(d), "metrics": metrics, "final": final,
-            "summary": summary, "complete": summary is not None,
-            "config": config if isinstance(config, dict) else None}
+            "summary": summary, "complete": summary is not None, "config": run_config(d)}
+
+
+def run_config(run_dir) -> Optional[dict]:
+    """The settings the trainer wrote to ``run_dir``'s config.json at its start (its ``"config"``), so an
+    interrupted run's setup is still known; None where the file is missing, unreadable or torn."""
+    try:
+        config = json.loads((Path(run_dir) / "config.json").read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def _get(run: dict, key: str, default=None):

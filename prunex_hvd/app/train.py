@@ -34,6 +34,7 @@ from ..dist import runtime
 from ..dist.agreement import call_agreed
 from ..engine.config import ConsensusConfig
 from . import checkpoint, methods, models
+from .report import run_config
 from .data import AUGMENTS, ShardedLoader, load_dataset
 
 
@@ -334,15 +335,6 @@ def changed_settings(began: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
             if k not in _LAUNCH_SETTINGS and began[k] != now.get(k)]
 
 
-def _began_with(out: str) -> Dict[str, Any]:
-    """The settings in ``out``'s config.json ({} where it is missing or unreadable: nothing to compare)."""
-    try:
-        with open(os.path.join(out, "config.json")) as f:
-            return dict(json.load(f).get("config") or {})
-    except (OSError, ValueError, AttributeError):
-        return {}
-
-
 _BYTE_KEYS = ("inter_bytes", "intra_bytes", "dense_inter_bytes", "cross_rack_bytes")
 
 
@@ -417,8 +409,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
             random.setstate(state["rng"]["python"])
             np.random.set_state(state["rng"]["numpy"])
             step, wall_offset, resumed = int(state["step"]), float(state["wall_s"]), True
-            began = _began_with(cfg.out) if is_main else {}
-            changed = changed_settings(began, cfg.as_dict()) if began else []
+            changed = changed_settings(run_config(cfg.out) or {}, cfg.as_dict()) if is_main else []
             if changed:
                 logging.getLogger("prunex_hvd").warning(
                     "resumed with settings other than the run's so far (its config.json): %s", "; ".join(changed))
