@@ -262,7 +262,9 @@ def expected_round(rnd, before, after, node_ranks, eng):
                            round_specs={n: ramped_spec(s, rnd + 1, c.keep_ramp_rounds) for n, s in specs.items()},
                            payload=eng.payload_dtype if eng.delta_coded else None,
                            racks=[list(r) for r in eng.topo.racks] if eng.rack_tier else None, heads=eng.heads,
-                           acceleration=eng.acceleration, outer_momentum=c.outer_momentum, retrain=c.retrain)
+                           acceleration=eng.acceleration, outer_momentum=c.outer_momentum, retrain=c.retrain,
+                           release_upper=c.rho2_release_round is not None and rnd + 1 >= c.rho2_release_round,
+                           upper_starts=(c.rho2, c.rho3 if c.rho3 is not None else c.rho2))
 
 
 def in_exact_agreement(want, name, tier):

@@ -197,7 +197,7 @@ def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload
 def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, balance_upper=True,
                     freezes=False, couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0,
                     round_specs=None, payload=None, racks=None, heads=(), acceleration="none", outer_momentum=0.5,
-                    retrain="admm"):
+                    retrain="admm", release_upper=False, upper_starts=(None, None)):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
     frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers, and θ
     per rank (where ``restart`` moves it). ``adaptive``: residual balancing of ρ1, and with ``balance_upper``
@@ -213,7 +213,9 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
     ``acceleration`` (M > 1, two tiers): the round leans on the extrapolated ``z_hat`` of the states in place of
     z (the candidate, the relaxed z_i, s_inter), and ends with :func:`reference_extrapolation`. ``retrain``
     "average": once frozen, z_i = mean_j(θ̂_ij + u_ij) (w_r likewise), no dual ascent and ρ held (all 0 since
-    the freeze); the round that freezes zeroes the duals and the ρ's after its freeze."""
+    the freeze); the round that freezes zeroes the duals and the ρ's after its freeze. ``release_upper`` (a round
+    from ``rho2_release_round`` on): ρ2 and ρ3 are neither balanced nor grown but halved, down to no lower than
+    ``upper_starts`` (the ρ2 and ρ3 the run began with), and left alone if already there or below."""
     M, P = len(node_ranks), len(node_ranks[0])
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
     rack_of = {i: k for k, nodes in enumerate(racks or ()) for i in nodes}
@@ -297,6 +299,9 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
         new2 = _adapt(rho2, r_inter, s_inter, rho_max) if adaptive and balance_upper and M > 1 else rho2
         new1 = min(new1 * rho_growth, rho_max)
         new2 = min(new2 * rho_growth, rho_max) if M > 1 else new2
+        released = lambda rho, start: rho if rho <= start else max(rho / 2, start)  # noqa: E731
+        if release_upper and M > 1 and (adaptive or rho_growth != 1.0):
+            new2 = released(rho2, upper_starts[0])
         if averaging:   # no penalties: ρ stays 0 and so do the duals
             new1, new2 = rho1, rho2
         if racks:
@@ -304,6 +309,8 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             new3 = rho3 if averaging else \
                 min((_adapt(rho3, r_spine, s_spine, rho_max) if adaptive and balance_upper else rho3) * rho_growth,
                     rho_max)
+            if release_upper and not averaging and (adaptive or rho_growth != 1.0):
+                new3 = released(rho3, upper_starts[1])
             out["rho3"][name] = new3
             for k in range(len(racks)):
                 out["w"][k][name] = w[k].float()

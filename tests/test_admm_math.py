@@ -41,6 +41,13 @@ def test_node_candidate_is_the_argmin(P, M, lam):
         assert f(wrong) > f(cand) + 1e-6
 
 
+def test_release_rho_halves_down_to_the_start_and_never_raises():
+    assert admm.release_rho(0.08, start=0.001) == 0.04
+    assert admm.release_rho(0.0015, start=0.001) == 0.001       # not below the start
+    assert admm.release_rho(0.001, start=0.001) == 0.001
+    assert admm.release_rho(0.0005, start=0.001) == 0.0005      # balanced below the start: left there
+
+
 def test_adapt_rho_balances_and_caps():
     assert admm.adapt_rho(1.0, primal=100.0, dual=1.0, rho_max=10) == 2.0
     assert admm.adapt_rho(1.0, primal=1.0, dual=100.0, rho_max=10) == 0.5

@@ -10,7 +10,7 @@ import torch
 import prunex_hvd as px
 from models_for_tests import toy_cnn
 from prunex_hvd.app import cli
-from prunex_hvd.app.train import (AUTO_FREEZE, AUTO_RAMP, AUTO_ROUND_PULL, AUTO_WARMUP_EPOCHS,
+from prunex_hvd.app.train import (AUTO_FREEZE, AUTO_RAMP, AUTO_RELEASE, AUTO_ROUND_PULL, AUTO_WARMUP_EPOCHS,
                                   AUTO_WARMUP_MAX_FRACTION, RECIPE, TrainConfig, _lr_factor)
 from prunex_hvd.engine.config import ConsensusConfig, Structure
 
@@ -86,7 +86,8 @@ def test_ranks_compare_every_knob():
     assert set(agreed) == {"sparsity", "local_steps", "rho", "freezing", "coupled", "bucket_mb", "backend",
                            "hierarchical", "round"}
     changed = {"sparsity": {"*": "channel:0.5"}, "local_steps": 5, "rho1": 0.1, "rho2": 0.1, "rho_max": 5.0,
-               "adaptive_rho": False, "balance_rho2": False, "weight_decay_z": 0.1, "freeze_round": 2,
+               "adaptive_rho": False, "balance_rho2": False, "rho2_release_round": 3, "weight_decay_z": 0.1,
+               "freeze_round": 2,
                "freeze_patience": 9, "compact_compute": False,
                "masked_retrain": False, "coupled": True, "bucket_mb": 1.0, "backend": "gloo",
                "hierarchical": False, "restart": "node", "relaxation": 1.5, "rho_growth": 1.3,
@@ -103,7 +104,7 @@ def test_ranks_compare_every_knob():
         differ = {k for k in agreed if agreed[k] != theirs[k]}
         # the same specs spelled another way resolve alike: not a disagreement
         assert differ == (set() if name == "sparsity" else {dict(rho1="rho", rho2="rho", rho_max="rho",
-                          adaptive_rho="rho", balance_rho2="rho", weight_decay_z="rho",
+                          adaptive_rho="rho", balance_rho2="rho", rho2_release_round="rho", weight_decay_z="rho",
                           freeze_round="freezing",
                           freeze_patience="freezing", masked_retrain="freezing", compact_compute="freezing",
                           restart="round",
@@ -201,6 +202,25 @@ def test_every_knob_but_the_methods_own_is_a_flag_with_the_recipe_default():
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--keep-ramp-rounds", "soon"])
     assert cli._train_config(parser.parse_args(["train", "--keep-ramp-rounds", "auto"])).ramp_fraction == AUTO_RAMP
+
+
+def test_rho2_release_round_is_a_round_auto_or_none():
+    """--rho2-release-round: N as asked, auto a third of the planned rounds (digits: 24 rounds, round 8), none
+    (the default, here and in the library: balanced to the end); a bad value named."""
+    parser = cli.build_parser()
+    assert (TrainConfig().release_fraction, RECIPE.rho2_release_round, ConsensusConfig().rho2_release_round) == \
+        (None, None, None)
+    def resolved(*argv):
+        return cli._train_config(parser.parse_args(["train", "--epochs", "24"] + list(argv))).resolved(10).consensus
+    assert resolved().rho2_release_round is None
+    assert resolved("--rho2-release-round", "auto").rho2_release_round == 24 // 3
+    assert resolved("--rho2-release-round", "5").rho2_release_round == 5
+    assert resolved("--rho2-release-round", "none").rho2_release_round is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--rho2-release-round", "later"])
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="rho2_release_round must be None or an integer >= 1"):
+            ConsensusConfig(rho2_release_round=bad)
 
 
 def test_rho_max_auto_caps_rho_where_a_rounds_steps_would_pull_theta_back_once():

@@ -50,6 +50,8 @@ LEVERS = {"paper-round": dict(restart="none"),   # the default restarts: this ke
           "fixed-rho": dict(restart="global", node_sync=True, payload_dtype="bf16", adaptive_rho=False),
           # ... with ρ1 balanced and ρ2 held
           "hold-rho2": dict(restart="global", node_sync=True, payload_dtype="bf16", balance_rho2=False),
+          # ... with ρ2 released from round 3: rounds 3-4 halve it toward its start instead of balancing it
+          "release-rho2": dict(restart="global", node_sync=True, payload_dtype="bf16", rho2_release_round=3),
           # ... with the balanced ρ's capped low (--rho-max auto's kind of cap): it binds within the 4 rounds
           "capped-rho": dict(restart="global", node_sync=True, payload_dtype="bf16", rho_max=0.07),
           # momentum across rounds: fast ADMM over 4 rounds without a freeze or a change of ρ (its momentum
@@ -68,6 +70,7 @@ LEVER_RUNS = [((2, 2), "channel", "paper-round"), ((2, 3), "mixed", "paper-round
               ((2, 2), "coupled", "all"), ((2, 2), "streams", "all"), ((2, 2), "channel", "bf16"),
               ((2, 3), "mixed", "bf16"), ((2, 2), "coupled", "fp16-relaxed"), ((2, 2), "channel", "fixed-rho"),
               ((2, 3), "mixed", "fixed-rho"), ((2, 2), "channel", "hold-rho2"), ((2, 3), "coupled", "hold-rho2"),
+              ((2, 2), "channel", "release-rho2"), ((2, 3), "mixed", "release-rho2"),
               ((2, 2), "channel", "capped-rho"), ((2, 3), "mixed", "capped-rho"),
               ((2, 2), "channel", "fast-admm"), ((3, 1), "mixed", "fast-admm"), ((1, 3), "channel", "fast-admm"),
               ((2, 3), "coupled", "fast-admm-recipe"), ((2, 2), "mixed", "nesterov-relaxed"),
@@ -135,6 +138,13 @@ def test_rounds_match_the_reference(layout, case, levers):
         rhos = [v for rnd in runs[0]["after"] for key in ("rho1", "rho2") for v in rnd[key].values()]
         cap = LEVERS[levers]["rho_max"]
         assert max(rhos) == cap and sum(v == cap for v in rhos) >= 4, sorted(set(rhos))
+    if levers == "release-rho2":   # balanced up in rounds 1-2, then halved: down, never below the start
+        rho2 = [rnd["rho2"] for rnd in runs[0]["after"]]
+        start = LEVERS[levers].get("rho2", cases.SETTINGS["rho2"])
+        assert any(rho2[1][n] > start for n in rho2[1]), rho2[1]
+        for before, after in zip(rho2[1:], rho2[2:]):
+            assert all(after[n] == (before[n] if before[n] <= start else max(before[n] / 2, start)) for n in after)
+        assert any(rho2[3][n] < rho2[1][n] for n in rho2[1])
     if levers and levers.startswith("average"):   # the rounds after the freeze averaged: no penalty, no dual left
         last = runs[0]["after"][-1]
         assert last["frozen"] and not any(last["rho1"].values()) and not any(last["rho2"].values())

@@ -21,6 +21,7 @@ RACK_RUNS = [((4, 2, 2), "channel", {}),
              ((4, 2, 2), "streams", dict(restart="none", node_sync=True)),
              ((4, 1, 2), "channel", dict(adaptive_rho=False, rho3=0.1)),
              ((4, 2, 2), "channel", dict(balance_rho2=False, rho3=0.005)),   # ρ1 balanced, ρ2 and ρ3 held
+             ((4, 2, 2), "channel", dict(rho2_release_round=3, rho3=0.005)),   # ρ2 and ρ3 released from round 3
              # a narrow payload: rounded changes at the rack and across the spine, each with error feedback
              ((4, 2, 2), "channel", dict(payload_dtype="bf16", node_sync=True)),
              ((6, 1, 2), "mixed", dict(payload_dtype="fp16", keep_ramp_rounds=2)),

@@ -182,6 +182,7 @@ def _number_or(kind, **words):
 
 _freeze_round = _number_or(int, auto="auto", none=None, **{"": None})
 _ramp_rounds = _number_or(int, auto="auto")
+_release_round = _number_or(int, auto="auto", none=None)
 _warmup_epochs = _number_or(float, auto="auto")
 _rho_max = _number_or(float, auto="auto")
 
@@ -275,6 +276,10 @@ _FLAGS = {
                              help="rounds over which every keep ratio falls from 1 to its target (cubic), masks "
                                   "freezing only after: 0 (the default: the target from round 1), N, or auto (a "
                                   "quarter of the planned rounds)"),
+    "rho2_release_round": dict(type=_release_round,
+                               help="from the end of this round rho2 (and rho3) stop being balanced and halve each "
+                                    "round back to where they started: N, auto (after a third of the planned "
+                                    "rounds) or none (the default: balanced to the end)"),
     "rho_max": dict(type=_rho_max, default="auto",
                     help="cap of the balanced rho's: N, or auto (where a round's steps would pull θ back once its "
                          "distance to the anchor under the proximal term alone: (1 - momentum)/(lr x local steps))"),

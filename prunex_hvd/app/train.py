@@ -48,7 +48,7 @@ from .data import AUGMENTS, ShardedLoader, load_dataset
 # ramp 8.8, 98.89%). Synthetic: 80% after 5.0 epochs (without the ramp 6.0), all at ~100%. The inter-node
 # exchange carries the change since z in bfloat16 with error feedback (payload_dtype): half the bytes, the same
 # accuracy on the three tasks (ResNet-18 98.39% over 5 seeds, digits 98.61%, synthetic 100%). On top, from the
-# trainer's own settings: the lr warmed up (AUTO_WARMUP_EPOCHS) and the balanced ρ's capped by the round's
+# trainer's own settings: the lr warmed up (AUTO_WARMUP_EPOCHS), the balanced ρ's capped by the round's
 # length (--rho-max auto, AUTO_ROUND_PULL).
 RECIPE = ConsensusConfig(rho1=0.01, rho2=0.001, adaptive_rho=True, restart="global", node_sync=True,
                          payload_dtype="bf16", freeze_round=1)
@@ -56,6 +56,8 @@ RECIPE = ConsensusConfig(rho1=0.01, rho2=0.001, adaptive_rho=True, restart="glob
 # (freeze_round) and benchmarks/README, "Masks frozen after round 1".
 AUTO_FREEZE = 1 / 3   # --freeze-round auto: masks move for the first third, the rest retrains the structure
 AUTO_RAMP = 1 / 4     # --keep-ramp-rounds auto: the kept fraction falls from 1 to its target over the first quarter
+AUTO_RELEASE = 1 / 3  # --rho2-release-round auto: ρ2 balanced for the first third, then released; not the recipe
+# (ConsensusConfig's tuning guide, rho2_release_round; benchmarks/README, "Releasing ρ2")
 # The recipe has no keep ramp since the warm-up chooses the channels (benchmarks/README, "The keep ramp with the
 # warm-up" and "Goal 3 without the keep ramp"): digits 98.99% against 98.90 with it (20 seeds), ResNet-18 98.68%
 # against 98.54 (4), synthetic level, 5% fewer bytes; on the emulated cluster 0.80 in 0.91x the time (5 seeds).
@@ -85,8 +87,9 @@ class TrainConfig:
     """Every knob of a run: the consensus's in ``consensus`` (:class:`ConsensusConfig`, the recipe
     :data:`RECIPE` by default), the application's here. The trainer's schedule is in epochs, so two of the
     consensus's knobs are set from it unless asked for: ``local_steps`` from ``local_epochs``, ``freeze_round``
-    from ``freeze_fraction`` and ``keep_ramp_rounds`` from ``ramp_fraction``; with ``None`` there the consensus's
-    own value counts.
+    from ``freeze_fraction``, ``keep_ramp_rounds`` from ``ramp_fraction``, ``rho2_release_round`` from
+    ``release_fraction`` and ``rho_max`` from ``round_pull``; with ``None`` there the consensus's own value
+    counts.
 
     :meth:`from_flat` builds one from the command line's flat names (``--rho1``, ``--freeze-round auto``, ...)
     and :meth:`as_dict` writes it back flat."""
@@ -105,6 +108,9 @@ class TrainConfig:
     ramp_fraction: Optional[float] = None            # keep ratios ramp from 1 to their targets over this fraction
                                                      # of the planned rounds (None: consensus.keep_ramp_rounds, 0
                                                      # in the recipe)
+    release_fraction: Optional[float] = None         # ρ2 released after this fraction of the planned rounds
+                                                     # (None: consensus.rho2_release_round, None in the recipe:
+                                                     # never; --rho2-release-round auto: AUTO_RELEASE)
     batch_size: int = 128
     test_batch_size: int = 256
     lr: float = 0.05
@@ -155,6 +161,7 @@ class TrainConfig:
             flat["local_epochs"] = None
         for knob, fraction, auto in (("freeze_round", "freeze_fraction", AUTO_FREEZE),
                                      ("keep_ramp_rounds", "ramp_fraction", AUTO_RAMP),
+                                     ("rho2_release_round", "release_fraction", AUTO_RELEASE),
                                      ("rho_max", "round_pull", AUTO_ROUND_PULL)):
             if knobs.get(knob) == "auto":
                 del knobs[knob]
@@ -179,9 +186,11 @@ class TrainConfig:
         freeze_round = c.freeze_round if self.freeze_fraction is None else \
             max(1, math.floor(rounds * self.freeze_fraction + 1e-9))
         ramp = c.keep_ramp_rounds if self.ramp_fraction is None else math.floor(rounds * self.ramp_fraction + 1e-9)
+        release = c.rho2_release_round if self.release_fraction is None else \
+            max(1, math.floor(rounds * self.release_fraction + 1e-9))
         return dataclasses.replace(self, warmup_epochs=self.warmup(),
                                    consensus=dataclasses.replace(c, local_steps=local_steps, freeze_round=freeze_round,
-                                                                 keep_ramp_rounds=ramp,
+                                                                 keep_ramp_rounds=ramp, rho2_release_round=release,
                                                                  rho_max=self.rho_max(local_steps)))
 
     def rho_max(self, local_steps: int) -> float:
@@ -209,7 +218,7 @@ class TrainConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-        for name in ("local_epochs", "freeze_fraction", "ramp_fraction", "round_pull"):
+        for name in ("local_epochs", "freeze_fraction", "ramp_fraction", "release_fraction", "round_pull"):
             v = getattr(self, name)
             if not (v is None or (isinstance(v, (int, float)) and math.isfinite(v) and v > 0)):
                 raise ValueError(f"{name} must be None or a finite number > 0, got {v!r}")

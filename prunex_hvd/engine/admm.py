@@ -118,6 +118,12 @@ def grow_rho(rho: float, growth: float, rho_max: float) -> float:
     return min(rho * growth, rho_max) if growth != 1.0 else rho
 
 
+def release_rho(rho: float, start: float, tau: float = TAU) -> float:
+    """The released ρ of the next round: ÷``tau`` a round back down to ``start`` (the ρ the run began with), and
+    never raised: the damping a balanced ρ2 built up, undone over a few rounds rather than at once."""
+    return rho if rho <= start else max(rho / tau, start)
+
+
 RESTART_ETA = 0.999   # fast ADMM keeps its momentum while the combined residual falls below η × the last one
 
 

@@ -814,10 +814,15 @@ class HSADMM:
 
     def _adapt_rho(self, totals: torch.Tensor, s_top_sq: List[float]) -> None:
         """Phase 8: per-layer residuals; residual balancing of ρ1 (and of ρ2 where there is an inter-node tier, ρ3
-        where there are racks), then the ``rho_growth`` schedule; the scaled duals rescaled with them (the caller
-        refreshes the proximal cache)."""
+        where there are racks), then the ``rho_growth`` schedule; from ``rho2_release_round`` on, ρ2 and ρ3 are
+        released instead (halved back toward their start, :func:`admm.release_rho`); the scaled duals rescaled
+        with them (the caller refreshes the proximal cache)."""
         changed = []
         c = self.config
+        released = c.rho2_release_round is not None and self.round + 1 >= c.rho2_release_round
+        if released and self.round + 1 == c.rho2_release_round and self.topo.rank == 0 and not self.averaging:
+            log.info("round %d: rho2 released (rho2_release_round): it halves each round back to %g", self.round + 1,
+                     c.rho2)
         for k, e in enumerate(self.entries):
             # with racks ρ2's tier is nodes against their rack, then ρ3's racks against z (r_spine, s_spine)
             r_intra, s_intra, r_inter, s_inter, *spine = admm.residual_norms(*totals[k].tolist(), s_top_sq[k])
@@ -831,15 +836,19 @@ class HSADMM:
                 rho1, rho2, rho3 = e.rho1, e.rho2, e.rho3
                 if c.adaptive_rho:
                     rho1 = admm.adapt_rho(rho1, r_intra, s_intra, c.rho_max)
-                    if c.balance_rho2:
+                    if c.balance_rho2 and not released:
                         rho2 = admm.adapt_rho(rho2, r_inter, s_inter, c.rho_max) if self.inter_tier else rho2
                         rho3 = admm.adapt_rho(rho3, r_spine, s_spine, c.rho_max) if self.rack_tier else rho3
                     changed += [f"{e.name} {which} {old:.3g}->{new:.3g}" for which, old, new in
                                 (("rho1", e.rho1, rho1), ("rho2", e.rho2, rho2), ("rho3", e.rho3, rho3))
                                 if new != old]
                 rho1 = admm.grow_rho(rho1, c.rho_growth, c.rho_max)   # the schedule: not logged, it is known
-                rho2 = admm.grow_rho(rho2, c.rho_growth, c.rho_max) if self.inter_tier else rho2
-                rho3 = admm.grow_rho(rho3, c.rho_growth, c.rho_max) if self.rack_tier else rho3
+                if released:   # the release replaces balancing and growth on the tiers above the node
+                    rho2 = admm.release_rho(rho2, c.rho2) if self.inter_tier else rho2
+                    rho3 = admm.release_rho(rho3, c.rho3 or c.rho2) if self.rack_tier else rho3
+                else:
+                    rho2 = admm.grow_rho(rho2, c.rho_growth, c.rho_max) if self.inter_tier else rho2
+                    rho3 = admm.grow_rho(rho3, c.rho_growth, c.rho_max) if self.rack_tier else rho3
                 admm.rescale_dual(e.u, e.rho1, rho1)
                 admm.rescale_dual(e.v, e.rho2, rho2)
                 if self.rack_tier:
