@@ -116,6 +116,9 @@ VARIANTS: Dict[str, str] = {
                               "--retrain average",
     "prunex-freeze1-hold-rho2": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
                                 "--no-balance-rho2",
+    # ρ2 balanced for the first third of the rounds, then released: halved back to its start (rho2_release_round)
+    "prunex-release-rho2": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
+                           "--rho2-release-round auto",
     # without the lr warm-up: frozen after round 1, or a third of the way (--freeze-round auto)
     **{f"prunex-no-warmup-freeze{f}": f"--method prunex --sparsity channel:0.5 --warmup-epochs 0 --freeze-round {f} "
                                       "--keep-ramp-rounds 0" for f in ("1", "auto")},
