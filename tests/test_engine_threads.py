@@ -142,6 +142,7 @@ def test_rounds_match_the_reference(layout, case, levers):
         rho2 = [rnd["rho2"] for rnd in runs[0]["after"]]
         start = LEVERS[levers].get("rho2", cases.SETTINGS["rho2"])
         assert any(rho2[1][n] > start for n in rho2[1]), rho2[1]
+        assert any(rho2[1][n] > rho2[0][n] for n in rho2[1]), (rho2[0], rho2[1])   # round 2 still balanced, not released
         for before, after in zip(rho2[1:], rho2[2:]):
             assert all(after[n] == (before[n] if before[n] <= start else max(before[n] / 2, start)) for n in after)
         assert any(rho2[3][n] < rho2[1][n] for n in rho2[1])

@@ -49,6 +49,12 @@ def test_three_tier_rounds_match_the_reference(shape, case, knobs):
         assert_nodes_chose_apart(ref_rounds, eng)
     residuals = runs[0]["engine"].entries[0].residuals
     assert set(residuals) == {"r_intra", "s_intra", "r_inter", "s_inter", "r_spine", "s_spine"}
+    if "rho2_release_round" in knobs:   # balanced above their starts by round 2, then only halved, never below them
+        for key, start in (("rho2", cases.SETTINGS["rho2"]), ("rho3", knobs["rho3"])):
+            rho = [rnd[key] for rnd in runs[0]["after"]]
+            assert any(rho[1][n] > start for n in rho[1]), (key, rho[1])
+            assert all(rho[k + 1][n] == (rho[k][n] if rho[k][n] <= start else max(rho[k][n] / 2, start))
+                       for k in (1, 2) for n in rho[k]), (key, rho)
 
 
 def _run(shape, **knobs):

@@ -152,14 +152,14 @@ class ConsensusConfig:
     * ``rho2_release_round`` — from the end of this round on ρ2 (and ρ3) leave residual balancing and halve each
       round back to the value the run started from, the scaled duals rescaled as for any change of ρ
       (docs/algorithm.md, "Releasing ρ2"). It keeps the balanced ρ2's damping where it helps, early (ResNet-18's
-      80% and 90% come before it), and lets the global model follow the nodes once the lr has decayed. The same
+      70% and 80% come before it), and lets the global model follow the nodes once the lr has decayed. The same
       math up to that round. ``prunex-hvd train --rho2-release-round auto`` releases after a third of the
       planned rounds. Measured side by side with the recipe balanced to the end, the same seeds (2×2 ranks;
       benchmarks/README, "Releasing ρ2"): digits ends at 98.97% against 98.86% (10 seeds, higher on 5, lower on
       1; PacTrain 99.17%), ResNet-18 on digits at 8×8 at 98.47% both (4 seeds), synthetic 100% both; the
-      targets before the release come at the same epochs. But every run dips for a few epochs after it
-      (ResNet-18 by 2–5 points over epochs 5.5–7.5, digits by up to 1), and ResNet-18's 97% comes after 9.8
-      epochs against 9.1. Released after a quarter: digits 99.00%, ResNet-18 98.68% with its 90% after 6.4
+      targets before the release come at the same epochs. But the runs dip for some epochs after it (seed means:
+      ResNet-18 by up to 4.9 points over epochs 5.5–9.5, digits by up to 1 over 9–16; single seeds by up to 11.7
+      and 5.0), and ResNet-18's 97% comes after 9.8 epochs against 9.1. Released after a quarter: digits 99.00%, ResNet-18 98.68% with its 90% after 6.4
       epochs against 5.1; after half: digits level with the recipe. None (the default, here and in ``prunex-hvd
       train``): balanced to the end; set it to train to the end.
     * ``rho_max`` — the cap of the balanced ρ's. Between rounds the proximal term pulls θ back toward z_i − u, and

@@ -820,7 +820,8 @@ class HSADMM:
         changed = []
         c = self.config
         released = c.rho2_release_round is not None and self.round + 1 >= c.rho2_release_round
-        if released and self.round + 1 == c.rho2_release_round and self.topo.rank == 0 and not self.averaging:
+        if released and self.round + 1 == c.rho2_release_round and self.topo.rank == 0 and not self.averaging \
+                and self.inter_tier and (c.adaptive_rho or c.rho_growth != 1.0):
             log.info("round %d: rho2 released (rho2_release_round): it halves each round back to %g", self.round + 1,
                      c.rho2)
         for k, e in enumerate(self.entries):
