@@ -194,6 +194,11 @@ def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload
     return w, t, w_old, d(_payload_average(sent) + states[0]["z"][name].masked_fill(~on, 0))
 
 
+def released_rho(rho, start):
+    """The release's rule, as the reference states it: ρ halved a round, not below ``start``, never raised."""
+    return rho if rho <= start else max(rho / 2, start)
+
+
 def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, balance_upper=True,
                     freezes=False, couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0,
                     round_specs=None, payload=None, racks=None, heads=(), acceleration="none", outer_momentum=0.5,
@@ -299,9 +304,8 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
         new2 = _adapt(rho2, r_inter, s_inter, rho_max) if adaptive and balance_upper and M > 1 else rho2
         new1 = min(new1 * rho_growth, rho_max)
         new2 = min(new2 * rho_growth, rho_max) if M > 1 else new2
-        released = lambda rho, start: rho if rho <= start else max(rho / 2, start)  # noqa: E731
         if release_upper and M > 1 and (adaptive or rho_growth != 1.0):
-            new2 = released(rho2, upper_starts[0])
+            new2 = released_rho(rho2, upper_starts[0])
         if averaging:   # no penalties: ρ stays 0 and so do the duals
             new1, new2 = rho1, rho2
         if racks:
@@ -310,7 +314,7 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
                 min((_adapt(rho3, r_spine, s_spine, rho_max) if adaptive and balance_upper else rho3) * rho_growth,
                     rho_max)
             if release_upper and not averaging and (adaptive or rho_growth != 1.0):
-                new3 = released(rho3, upper_starts[1])
+                new3 = released_rho(rho3, upper_starts[1])
             out["rho3"][name] = new3
             for k in range(len(racks)):
                 out["w"][k][name] = w[k].float()

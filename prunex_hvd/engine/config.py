@@ -159,8 +159,9 @@ class ConsensusConfig:
       1; PacTrain 99.17%), ResNet-18 on digits at 8×8 at 98.47% both (4 seeds), synthetic 100% both; the
       targets before the release come at the same epochs. But the runs dip for some epochs after it (seed means:
       ResNet-18 by up to 4.9 points over epochs 5.5–9.5, digits by up to 1 over 9–16; single seeds by up to 11.7
-      and 5.0), and ResNet-18's 97% comes after 9.8 epochs against 9.1. Released after a quarter: digits 99.00%, ResNet-18 98.68% with its 90% after 6.4
-      epochs against 5.1; after half: digits level with the recipe. None (the default, here and in ``prunex-hvd
+      and 5.0), and ResNet-18's 97% comes after 9.8 epochs against 9.1. Released after a quarter: digits
+      99.00%, ResNet-18 98.68% with its 90% after 6.4 epochs against 5.1; after half: digits level with the
+      recipe. None (the default, here and in ``prunex-hvd
       train``): balanced to the end; set it to train to the end.
     * ``rho_max`` — the cap of the balanced ρ's. Between rounds the proximal term pulls θ back toward z_i − u, and
       the optimizer's momentum β amplifies it: a round of H steps at lr η pulls θ back H·η·ρ1/(1 − β) times its
@@ -343,10 +344,13 @@ class ConsensusConfig:
                                  "local SGD of the pruned model)", agree="freezing")
 
     def __post_init__(self):
-        def integer(name, minimum):
+        def integer(name, minimum, optional=False):
             value = getattr(self, name)
+            if optional and value is None:
+                return
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+                raise ValueError(f"{name} must be {'None or ' if optional else ''}an integer >= {minimum}, "
+                                 f"got {value!r}")
         integer("local_steps", 1)
         for name in ("rho1", "rho2", "rho_max") + (("rho3",) if self.rho3 is not None else ()):
             value = getattr(self, name)
@@ -356,13 +360,8 @@ class ConsensusConfig:
             raise ValueError(f"coupled must be False, True (= 'pairs') or 'streams', got {self.coupled!r}")
         if self.weight_decay_z < 0:
             raise ValueError(f"weight_decay_z must be >= 0, got {self.weight_decay_z!r}")
-        if self.freeze_round is not None and (isinstance(self.freeze_round, bool)
-                                              or not isinstance(self.freeze_round, int) or self.freeze_round < 1):
-            raise ValueError(f"freeze_round must be None or an integer >= 1, got {self.freeze_round!r}")
-        if self.rho2_release_round is not None and (isinstance(self.rho2_release_round, bool)
-                                                    or not isinstance(self.rho2_release_round, int)
-                                                    or self.rho2_release_round < 1):
-            raise ValueError(f"rho2_release_round must be None or an integer >= 1, got {self.rho2_release_round!r}")
+        integer("freeze_round", 1, optional=True)
+        integer("rho2_release_round", 1, optional=True)
         integer("freeze_patience", 1)
         integer("keep_ramp_rounds", 0)
         if self.restart not in RESTARTS:
@@ -391,9 +390,7 @@ class ConsensusConfig:
             raise ValueError(f"compact_compute must be True or False, got {self.compact_compute!r}")
         if not isinstance(self.overlap_after_freeze, bool):
             raise ValueError(f"overlap_after_freeze must be True or False, got {self.overlap_after_freeze!r}")
-        if self.overlap_steps is not None and (isinstance(self.overlap_steps, bool)
-                                               or not isinstance(self.overlap_steps, int) or self.overlap_steps < 1):
-            raise ValueError(f"overlap_steps must be None or an integer >= 1, got {self.overlap_steps!r}")
+        integer("overlap_steps", 1, optional=True)
         if self.overlap_steps is not None and not self.overlap:
             raise ValueError("overlap_steps is when an overlapped round is folded in: it needs overlap=True")
         if self.overlap and not self.hierarchical:
