@@ -109,16 +109,24 @@ VARIANTS: Dict[str, str] = {
     "prunex-bf16": "--method prunex --sparsity channel:0.5 --payload-dtype bf16",
     "prunex-fp16": "--method prunex --sparsity channel:0.5 --payload-dtype fp16",
     "prunex-fixed-rho": "--method prunex --sparsity channel:0.5 --no-adaptive-rho",   # ρ held at 0.01 / 0.001
-    # the recipe since 2026-11-28 (its masks freeze after round 1 whatever the task pins)
-    "prunex-freeze1": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0",
+    # the recipe of 2026-11-28's sweeps (its masks freeze after round 1 whatever the task pins; each layer keeps
+    # half its channels)
+    "prunex-freeze1": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
+                      "--channel-budget layer",
     # ... retraining by plain averaging from round 2; ... with ρ2 held (ρ1 still balanced)
     "prunex-freeze1-average": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
-                              "--retrain average",
+                              "--channel-budget layer --retrain average",
     "prunex-freeze1-hold-rho2": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
-                                "--no-balance-rho2",
+                                "--channel-budget layer --no-balance-rho2",
     # ρ2 balanced for the first third of the rounds, then released: halved back to its start (rho2_release_round)
     "prunex-release-rho2": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
-                           "--rho2-release-round auto",
+                           "--channel-budget layer --rho2-release-round auto",
+    # one channel budget across the layers (channel_budget="global"): the recipe since the twelfth sweep; ... with
+    # ρ2 released after a third of the rounds
+    "prunex-global-budget": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
+                            "--channel-budget global",
+    "prunex-global-release-rho2": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
+                                  "--channel-budget global --rho2-release-round auto",
     # without the lr warm-up: frozen after round 1, or a third of the way (--freeze-round auto)
     **{f"prunex-no-warmup-freeze{f}": f"--method prunex --sparsity channel:0.5 --warmup-epochs 0 --freeze-round {f} "
                                       "--keep-ramp-rounds 0" for f in ("1", "auto")},

@@ -35,7 +35,7 @@ from .dist.comm import groups as comm_groups
 from .dist.comm.base import Groups, SingleCommunicator
 from .engine.config import ConsensusConfig, Structure, check_bucket_mb
 from .engine.hsadmm import HSADMM
-from .engine.sparsity import stages_removing_nothing
+from .engine.sparsity import own_channel_layers, stages_removing_nothing
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -267,6 +267,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
     config, structure = agreement.checked_construction("prunex_hvd.DistributedOptimizer", backend, model, checks)
     if runtime.topology().rank == 0:   # every rank resolved the same specs: say it once
         warn_stages_removing_nothing(model, structure.specs)
+        warn_outside_the_budget(config, structure)
     return mix_into(optimizer, _DistributedOptimizer, model, config, structure)
 
 
@@ -363,6 +364,22 @@ def warn_stages_removing_nothing(model, specs) -> None:
                            for n, kinds in idle.items())
         warnings.warn(f"sparsity: these stages can remove nothing from their layers, which stay denser than asked "
                       f"(too few filters, input channels or columns for the keep ratio): {listed}", stacklevel=3)
+
+
+def warn_outside_the_budget(config, structure) -> None:
+    """With ``channel_budget="global"``: one warning naming the layers with a channel stage that keep their own
+    count instead (a composite spec, a coupled consumer, a residual stream's reader), or saying no layer shares
+    the budget."""
+    if config.channel_budget != "global":
+        return
+    inside = set(own_channel_layers(structure.specs, structure.couplings, structure.streams))
+    outside = [n for n, spec in structure.specs.items()
+               if n not in inside and {"channel", "feature"} & {kind for kind, _ in spec.parts}]
+    if outside or not inside:
+        warnings.warn(f"channel_budget='global': {len(inside)} layers share one budget of kept weights; "
+                      + (f"these keep their own channel count (a composite spec, coupled, or a residual stream's "
+                         f"reader): {', '.join(outside)}" if outside else "no layer is pruned by input channel alone")
+                      , stacklevel=3)
 
 
 def check_wrapping(optimizer, model, bucket_mb=None) -> list:

@@ -264,7 +264,8 @@ def expected_round(rnd, before, after, node_ranks, eng):
                            racks=[list(r) for r in eng.topo.racks] if eng.rack_tier else None, heads=eng.heads,
                            acceleration=eng.acceleration, outer_momentum=c.outer_momentum, retrain=c.retrain,
                            release_upper=c.rho2_release_round is not None and rnd + 1 >= c.rho2_release_round,
-                           upper_starts=(c.rho2, c.rho3 if c.rho3 is not None else c.rho2))
+                           upper_starts=(c.rho2, c.rho3 if c.rho3 is not None else c.rho2),
+                           budget_floor=c.budget_floor if c.channel_budget == "global" else None)
 
 
 def in_exact_agreement(want, name, tier):
@@ -569,12 +570,14 @@ def check_rack_ledger(res, per_round, masks, residuals, mask_itemsize=1):
 
 
 def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), payload_bytes=FLOAT_BYTES,
-                  freeze_round=SETTINGS["freeze_round"]):
+                  freeze_round=SETTINGS["freeze_round"], budget_floor=None):
     """What every rank reported after ``ROUNDS`` rounds on M nodes × P ranks: the reference checks ran; the
     leaders' inter-node payload is exactly the compact sizes (plus masks and the residual sum) while non-leaders
     send nothing across (with one node nothing crosses at all); the model is at the requested structure after
     finalize(), the same density on every rank. ``payload_bytes``: the size of one value of the consensus
-    exchange (2 with a bf16 / fp16 payload; the dense counterfactual stays in the model's float32)."""
+    exchange (2 with a bf16 / fp16 payload; the dense counterfactual stays in the model's float32).
+    ``budget_floor`` (channel_budget="global"): each layer keeps at least its floor of channels and all of them
+    together no more weights than the per-layer projection would."""
     topo = results[0]["topology"]
     num_nodes, size = topo["num_nodes"], topo["size"]
     assert results[0]["couplings"] == (couplings or {})
@@ -592,6 +595,7 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
     width = 5 if results[0]["rack_tier"] else 3
     residuals = ROUNDS * (len(numels) * width + size * 3 + len(numels) + 1) * 8
     dense_round = FLOAT_BYTES * (sum(numels.values()) + results[0]["buffer_numel"])
+    budget_used = {}   # per rank, with a budget across layers: kept weights beyond the per-layer projection's
     for res in results:
         rank, leader = res["rank"], res["topology"]["is_leader"]
         inter = res["ledger"]["inter"]
@@ -630,7 +634,11 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
             if stream:     # a stream writer: one filter per channel the stream's readers kept
                 want_rows = keep(float(specs[stream[0][0]].split(":")[1]), c_out)
             assert rows == want_rows, (name, rows)
-            if "channel" in parts:   # a shape stage after it may leave a kept channel without any position
+            if budget_floor is not None:
+                assert keep(budget_floor, c_in) <= channels <= c_in, (name, channels)
+                budget_used[rank] = budget_used.get(rank, 0) + (channels - keep(float(parts["channel"]), c_in)) * \
+                    c_out * kh * kw
+            elif "channel" in parts:   # a shape stage after it may leave a kept channel without any position
                 kept = keep(float(parts["channel"]), c_in)
                 assert channels <= kept if "shape" in parts else channels == kept, (name, channels)
             if "shape" in parts:
@@ -639,6 +647,7 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
         for s, live in zip(streams, res["stream_live"]):
             assert len(live) == len(s[0]) + len(s[1]) and all(m == live[0] for m in live), (s, live)
             assert len(live[0]) == keep(float(specs[s[0][0]].split(":")[1]), shapes[s[0][0]][1])
+    assert all(extra <= 0 for extra in budget_used.values()), budget_used
     # every rank reports the same final density
     assert len({json.dumps(r["stats"]["layer_density"], sort_keys=True) for r in results}) == 1
 

@@ -68,7 +68,38 @@ def reference_heads(weights, group, keep):
     return out
 
 
-def reference_masks(weights, specs, couplings, streams=(), heads=()):
+def reference_budget(weights, specs, floor):
+    """One channel budget across the layers held to a plain channel:K / feature:K, written plainly: the budget is
+    the per-layer projection's kept weights, sum of ceil(K·C)·m (m = weights in one input channel); each layer
+    first keeps its max(1, ceil(floor·C)) channels (at most ceil(K·C)) of largest mean square, then all other
+    channels, one list ordered by mean square (ties: layer order, then index), are kept from its top for as long
+    as the running total of their weights stays within what the budget has left."""
+    forced, rest, budget = {}, [], 0
+    for li, (name, spec) in enumerate(specs.items()):
+        kind, keep = str(spec).split(":")
+        if "+" in str(spec) or kind not in ("channel", "feature"):
+            continue
+        w = weights[name].double()
+        c_in = w.shape[1]
+        m = w.numel() // c_in
+        mean_square = [float(w[:, c].pow(2).sum()) / m for c in range(c_in)]
+        k = max(1, math.ceil(float(keep) * c_in - 1e-9))
+        first = min(k, max(1, math.ceil(floor * c_in - 1e-9)))
+        order = sorted(range(c_in), key=lambda c: (-mean_square[c], c))
+        forced[name] = torch.zeros(c_in, dtype=torch.bool)
+        forced[name][order[:first]] = True
+        budget += (k - first) * m
+        rest += [(-mean_square[c], li, c, name, m) for c in order[first:]]
+    total = 0
+    for _, _, c, name, m in sorted(rest):
+        total += m
+        if total > budget:
+            break
+        forced[name][c] = True
+    return forced
+
+
+def reference_masks(weights, specs, couplings, streams=(), heads=(), budget_floor=None):
     """Projection supports, written plainly: per layer, except coupled groups (channel-only specs).
 
     A residual stream (readers, writers) first: input channel c of every reader and filter c of every writer
@@ -77,9 +108,15 @@ def reference_masks(weights, specs, couplings, streams=(), heads=()):
     its stream's kept input channels; a consumer's shape stage then runs on its kept channels, and the
     producer keeps the filters of the channels the consumer still reads at any kernel position. A layer's
     other side is its own stages on the weight with the group's zeros in. A linear pair (an MLP) is the same
-    with one column per input feature; an attention module's heads are :func:`reference_heads`."""
+    with one column per input feature; an attention module's heads are :func:`reference_heads`. ``budget_floor``
+    (channel_budget="global", no couplings): the input channels of :func:`reference_budget`."""
     in_heads = {n for g in heads for n in g.members}
     out = {name: structured_masks(weights[name], spec) for name, spec in specs.items() if name not in in_heads}
+    if budget_floor is not None:
+        assert not couplings and not streams
+        for name, ch in reference_budget(weights, specs, budget_floor).items():
+            w = weights[name]
+            out[name] = (torch.ones(w.shape[0], dtype=torch.bool), ch.repeat_interleave(w[0].numel() // w.shape[1]))
     for g in heads:
         out.update(reference_heads(weights, g, float(str(specs[g.members[0]]).split(":")[1])))
     rows, chans = {}, {}   # fixed by a group: filters (writers, producers), input channels (readers, consumers)
@@ -202,7 +239,7 @@ def released_rho(rho, start):
 def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, balance_upper=True,
                     freezes=False, couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0,
                     round_specs=None, payload=None, racks=None, heads=(), acceleration="none", outer_momentum=0.5,
-                    retrain="admm", release_upper=False, upper_starts=(None, None)):
+                    retrain="admm", release_upper=False, upper_starts=(None, None), budget_floor=None):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
     frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers, and θ
     per rank (where ``restart`` moves it). ``adaptive``: residual balancing of ρ1, and with ``balance_upper``
@@ -220,7 +257,8 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
     "average": once frozen, z_i = mean_j(θ̂_ij + u_ij) (w_r likewise), no dual ascent and ρ held (all 0 since
     the freeze); the round that freezes zeroes the duals and the ρ's after its freeze. ``release_upper`` (a round
     from ``rho2_release_round`` on): ρ2 and ρ3 are neither balanced nor grown but halved, down to no lower than
-    ``upper_starts`` (the ρ2 and ρ3 the run began with), and left alone if already there or below."""
+    ``upper_starts`` (the ρ2 and ρ3 the run began with), and left alone if already there or below.
+    ``budget_floor``: the projections keep the channels of one budget across layers (:func:`reference_budget`)."""
     M, P = len(node_ranks), len(node_ranks[0])
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
     rack_of = {i: k for k, nodes in enumerate(racks or ()) for i in nodes}
@@ -249,7 +287,7 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
                                (rho1 * node_sum + rho2 * (upper - d(states[ranks[0]]["v"][name])))
                                / (weight_decay_z / M + P * rho1 + rho2))
     projected = [reference_masks({n: cands[n][i].float() for n in specs}, round_specs or specs, couplings, streams,
-                                 heads) for i in range(M)]
+                                 heads, budget_floor) for i in range(M)]
     for name in states[0]["theta"]:
         rho1, rho2 = states[0]["rho1"][name], states[0]["rho2"][name]
         z_old = d(states[0]["z_hat" if accelerated else "z"][name])   # (what a narrow payload's change is from: z)
@@ -332,7 +370,7 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             ((r_spine, s_spine) if racks else ())
     if freezes:
         for name, (rows, cols) in reference_masks({n: out["z"][n] for n in specs}, specs, couplings,
-                                                  streams, heads).items():
+                                                  streams, heads, budget_floor).items():
             out["masks"][name] = (rows, cols)
             out["z"][name] = out["z"][name] * torch.outer(rows, cols).reshape(out["z"][name].shape)
             for w in out["w"]:   # with racks, w_r is cut to the frozen structure as z is

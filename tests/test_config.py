@@ -93,7 +93,8 @@ def test_ranks_compare_every_knob():
                "hierarchical": False, "restart": "node", "relaxation": 1.5, "rho_growth": 1.3,
                "keep_ramp_rounds": 4, "node_sync": True, "payload_dtype": "bf16", "overlap": True,
                "overlap_steps": 2, "overlap_after_freeze": False, "rho3": 0.1, "rack_tier": False,
-               "acceleration": "fast-admm", "outer_momentum": 0.9, "retrain": "average"}
+               "acceleration": "fast-admm", "outer_momentum": 0.9, "retrain": "average",
+               "channel_budget": "global", "budget_floor": 0.2}
     assert set(changed) == set(KNOBS)
     needs = {"overlap_steps": {"overlap": True}}   # a knob that only means something with another
     for name, value in changed.items():
@@ -112,7 +113,8 @@ def test_ranks_compare_every_knob():
                           node_sync="round", payload_dtype="round", overlap="round",
                           overlap_steps="round", overlap_after_freeze="round", rho3="rho",
                           acceleration="round", outer_momentum="round",
-                          rack_tier="round", retrain="freezing").get(name, name)}), name
+                          rack_tier="round", retrain="freezing", channel_budget="freezing",
+                          budget_floor="freezing").get(name, name)}), name
         agreed = base.agreement(Structure.resolve(model, base))
 
 
@@ -186,13 +188,14 @@ def test_every_knob_but_the_methods_own_is_a_flag_with_the_recipe_default():
             "--bucket-mb", "2", "--backend", "gloo", "--local-steps", "6", "--freeze-round", "4",
             "--freeze-patience", "5", "--weight-decay-z", "0.1", "--rho-max", "3", "--rho2", "0.2",
             "--sparsity", '{"*": "filter:0.5"}', "--restart", "node", "--relaxation", "1.5", "--rho-growth", "1.2",
-            "--keep-ramp-rounds", "2", "--no-node-sync", "--payload-dtype", "fp16", "--no-balance-rho2"]
+            "--keep-ramp-rounds", "2", "--no-node-sync", "--payload-dtype", "fp16", "--no-balance-rho2",
+            "--channel-budget", "layer", "--budget-floor", "0.3"]
     got = cli._train_config(parser.parse_args(argv)).consensus
     assert got == ConsensusConfig(sparsity={"*": "filter:0.5"}, local_steps=6, rho1=0.3, rho2=0.2, rho_max=3.0,
                                   adaptive_rho=False, weight_decay_z=0.1, freeze_round=4, freeze_patience=5,
                                   masked_retrain=False, coupled="streams", bucket_mb=2.0, backend="gloo",
                                   restart="node", relaxation=1.5, rho_growth=1.2, keep_ramp_rounds=2,
-                                  payload_dtype="fp16", balance_rho2=False)
+                                  payload_dtype="fp16", balance_rho2=False, budget_floor=0.3)
     # the recipe turns node_sync on; the last of --no-node-sync / --node-sync wins
     assert RECIPE.node_sync is True and ConsensusConfig().node_sync is False
     assert RECIPE.payload_dtype == "bf16" and ConsensusConfig().payload_dtype is None
@@ -221,6 +224,26 @@ def test_rho2_release_round_is_a_round_auto_or_none():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="rho2_release_round must be None or an integer >= 1"):
             ConsensusConfig(rho2_release_round=bad)
+
+
+def test_channel_budget_is_layer_or_global_and_global_is_the_recipe():
+    """channel_budget: 'layer' in the library (the paper's per-layer projection), 'global' in the command line's
+    recipe; --channel-budget / --budget-floor reach the consensus; bad values are named."""
+    parser = cli.build_parser()
+    assert (ConsensusConfig().channel_budget, RECIPE.channel_budget, RECIPE.budget_floor) == ("layer", "global", 0.1)
+    def consensus(*argv):
+        return cli._train_config(parser.parse_args(["train"] + list(argv))).consensus
+    assert consensus().channel_budget == "global"
+    got = consensus("--channel-budget", "layer", "--budget-floor", "0.25")
+    assert (got.channel_budget, got.budget_floor) == ("layer", 0.25)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--channel-budget", "net"])
+    with pytest.raises(ValueError, match="channel_budget must be one of layer, global, got 'net'"):
+        ConsensusConfig(channel_budget="net")
+    for bad in (0, 1.5, True, float("nan")):
+        with pytest.raises(ValueError, match="budget_floor must be a fraction in"):
+            ConsensusConfig(budget_floor=bad)
+    assert consensus("--coupled").coupled is True   # the coupled layers keep their own count (a warning)
 
 
 def test_rho_max_auto_caps_rho_where_a_rounds_steps_would_pull_theta_back_once():

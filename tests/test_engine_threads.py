@@ -53,6 +53,8 @@ LEVERS = {"paper-round": dict(restart="none"),   # the default restarts: this ke
           "hold-rho2": dict(restart="global", node_sync=True, payload_dtype="bf16", balance_rho2=False),
           # ... with ρ2 released from round 3: rounds 3-4 halve it toward its start instead of balancing it
           "release-rho2": dict(restart="global", node_sync=True, payload_dtype="bf16", rho2_release_round=3),
+          # ... with one channel budget across layers: the chain's first conv keeps more channels, the second fewer
+          "global-budget": dict(restart="global", node_sync=True, payload_dtype="bf16", channel_budget="global"),
           # ... with the balanced ρ's capped low (--rho-max auto's kind of cap): it binds within the 4 rounds
           "capped-rho": dict(restart="global", node_sync=True, payload_dtype="bf16", rho_max=0.07),
           # momentum across rounds: fast ADMM over 4 rounds without a freeze or a change of ρ (its momentum
@@ -72,6 +74,7 @@ LEVER_RUNS = [((2, 2), "channel", "paper-round"), ((2, 3), "mixed", "paper-round
               ((2, 3), "mixed", "bf16"), ((2, 2), "coupled", "fp16-relaxed"), ((2, 2), "channel", "fixed-rho"),
               ((2, 3), "mixed", "fixed-rho"), ((2, 2), "channel", "hold-rho2"), ((2, 3), "coupled", "hold-rho2"),
               ((2, 2), "channel", "release-rho2"), ((2, 3), "mixed", "release-rho2"),
+              ((2, 2), "channel", "global-budget"), ((2, 3), "channel", "global-budget"),
               ((2, 2), "channel", "capped-rho"), ((2, 3), "mixed", "capped-rho"),
               ((2, 2), "channel", "fast-admm"), ((3, 1), "mixed", "fast-admm"), ((1, 3), "channel", "fast-admm"),
               ((2, 3), "coupled", "fast-admm-recipe"), ((2, 2), "mixed", "nesterov-relaxed"),
@@ -147,6 +150,9 @@ def test_rounds_match_the_reference(layout, case, levers):
         for before, after in zip(rho2[1:], rho2[2:]):
             assert all(after[n] == released_rho(before[n], start) for n in after)
         assert any(rho2[3][n] < rho2[1][n] for n in rho2[1])
+    if levers == "global-budget":   # not the per-layer counts: conv 0 (larger weights) keeps 3 of 3
+        support = runs[0]["result"]["final_support"]
+        assert support["0.weight"][1] == 3 and support["3.weight"][1] < 4, support
     if levers and levers.startswith("average"):   # the rounds after the freeze averaged: no penalty, no dual left
         last = runs[0]["after"][-1]
         assert last["frozen"] and not any(last["rho1"].values()) and not any(last["rho2"].values())
@@ -169,7 +175,8 @@ def check_against_the_reference(cluster, runs, want_specs, want_pairs, want_stre
     results = [run["result"] for run in runs]
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
     cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
-                        payload_bytes=eng.payload_dtype.itemsize, freeze_round=eng.config.freeze_round)
+                        payload_bytes=eng.payload_dtype.itemsize, freeze_round=eng.config.freeze_round,
+                        budget_floor=eng.config.budget_floor if eng.config.channel_budget == "global" else None)
     return ref_rounds
 
 

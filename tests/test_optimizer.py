@@ -251,3 +251,19 @@ def test_stages_that_remove_nothing_are_one_warning_naming_the_layers():
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # nothing to report: no warning at all
         _wrap(_Mixed(), sparsity={"stem.*": "dense", "depthwise.*": "filter:0.5", "*": "channel:0.5"})
+
+
+def test_a_global_channel_budget_names_the_layers_that_keep_their_own_count():
+    """channel_budget='global' shares one budget among the layers pruned by input channel alone; one with a
+    composite spec keeps its own count, and one warning (rank 0) names it. None when every such layer is in."""
+    sparsity = {"stem.*": "dense", "depthwise.*": "filter:0.5", "mix.*": "channel:0.5",
+                "last.*": "filter:0.5+channel:0.5"}
+    with pytest.warns(UserWarning, match=r"channel_budget='global': 1 layers share one budget") as record:
+        opt = _wrap(_Mixed(), sparsity=sparsity, channel_budget="global")
+    messages = [str(w.message) for w in record if "channel_budget" in str(w.message)]
+    assert len(messages) == 1 and messages[0].endswith("reader): last.weight"), messages
+    assert opt.stats()["rounds"] == 0
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _wrap(_Mixed(), sparsity=dict(sparsity, **{"last.*": "channel:0.5"}), channel_budget="global")

@@ -594,3 +594,67 @@ def test_cuda_gather_plan_every_structure(spec):
     z = recover_gather(bucket_rows, plan.slot.masked_fill(plan.slot < 0, zero_row), w.shape)
     assert torch.equal(z.cpu(), apply_masks(w, rows, cols))
     assert torch.equal(recover(layout.views[1], rc, cc, w.shape, plan=plan).cpu(), apply_masks(w, rows, cols))
+
+
+def _budget_case(seed=0):
+    """Three conv layers of very different weight scales, a linear held by feature, one by neuron (not in it)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {"stem": torch.randn(8, 3, 3, 3, generator=g), "mid": 0.2 * torch.randn(16, 8, 3, 3, generator=g),
+               "wide": 0.05 * torch.randn(32, 16, 3, 3, generator=g), "head": torch.randn(10, 32, generator=g),
+               "mlp": torch.randn(6, 10, generator=g)}
+    specs = {"stem": "channel:0.5", "mid": "channel:0.5", "wide": "channel:0.25", "head": "feature:0.5",
+             "mlp": "neuron:0.5"}
+    return weights, specs
+
+
+@pytest.mark.parametrize("seed,floor", [(0, 0.1), (1, 0.1), (2, 0.5), (3, 1.0)])
+def test_budget_channels_match_the_reference_and_stay_within_the_per_layer_budget(seed, floor):
+    from reference import reference_budget
+    from prunex_hvd.engine.sparsity import budget_channels, keep_count
+    weights, specs = _budget_case(seed)
+    got = budget_channels(weights, specs, floor)
+    want = reference_budget(weights, specs, floor)
+    assert set(got) == set(want) == {"stem", "mid", "wide", "head"}
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+    per_channel = {n: weights[n].numel() // weights[n].shape[1] for n in got}
+    budget = sum(keep_count(float(specs[n].split(":")[1]), weights[n].shape[1]) * per_channel[n] for n in got)
+    assert sum(int(got[n].sum()) * per_channel[n] for n in got) <= budget
+    for n in got:   # the floor, and never more than a layer has
+        assert keep_count(min(floor, float(specs[n].split(":")[1])), weights[n].shape[1]) <= int(got[n].sum())
+    if floor < 0.5:   # the small-weight layer gives channels up to the large-weight ones
+        assert int(got["stem"].sum()) == 3 and int(got["wide"].sum()) < keep_count(0.25, 16)
+    if floor == 1.0:   # every layer at its floor, capped by its own keep: the per-layer projection
+        assert [int(got[n].sum()) for n in got] == [2, 4, 4, 16]
+
+
+def test_budget_channels_ties_go_to_the_earlier_layer_then_the_lower_index():
+    from prunex_hvd.engine.sparsity import budget_channels
+    weights = {"a": torch.ones(2, 4, 1, 1), "b": torch.ones(2, 4, 1, 1)}   # every channel of the same density
+    got = budget_channels(weights, {"a": "channel:0.5", "b": "channel:0.5"}, 0.25)
+    assert got["a"].tolist() == [True, True, True, False] and got["b"].tolist() == [True, False, False, False]
+
+
+def test_budget_channels_refuse_a_layer_with_other_stages_and_a_bad_floor():
+    from prunex_hvd.engine.sparsity import budget_channels, coupled_masks
+    weights, specs = _budget_case()
+    with pytest.raises(ValueError, match="mid is held to 'filter:0.5\\+channel:0.5'"):
+        budget_channels(weights, dict(specs, mid="filter:0.5+channel:0.5"), 0.1)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="budget floor must be a fraction in"):
+            budget_channels(weights, specs, bad)
+    channels = budget_channels(weights, specs, 0.1)
+    with pytest.raises(ValueError, match="mid's input channels are given and also decided by a coupled pair"):
+        coupled_masks(weights, specs, {"mid": "stem"}, channels=channels)
+    masks = coupled_masks(weights, specs, {}, channels=channels)
+    assert torch.equal(masks["mid"][1], channels["mid"].repeat_interleave(9))
+    assert masks["mlp"][0].sum() == 3   # not in the budget: its own neuron stage
+
+
+def test_own_channel_layers_leave_out_grouped_and_composite_layers():
+    from prunex_hvd.engine.sparsity import own_channel_layers
+    specs = {"a": "channel:0.5", "b": "channel:0.5", "c": "filter:0.5+channel:0.5", "d": "feature:0.5",
+             "e": "neuron:0.5", "f": "channel:0.5", "g": "shape:0.5"}
+    assert own_channel_layers(specs) == ["a", "b", "d", "f"]
+    # a coupled consumer (b reads a) and a stream's reader (f) have their channels chosen with other layers
+    assert own_channel_layers(specs, {"b": "a"}, [(("f",), ("a",))]) == ["a", "d"]

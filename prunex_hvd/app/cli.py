@@ -305,7 +305,7 @@ def _consensus_flags(groups: dict) -> None:
     trainer's recipe (``train.RECIPE``) as defaults; each lands in ``groups[its group]`` (default
     ``"consensus"``); knobs whose group is not in ``groups`` are left to another call."""
     from prunex_hvd.app.train import RECIPE
-    from prunex_hvd.engine.config import ACCELERATIONS, RESTARTS, RETRAINS, ConsensusConfig
+    from prunex_hvd.engine.config import ACCELERATIONS, CHANNEL_BUDGETS, RESTARTS, RETRAINS, ConsensusConfig
 
     for f in dataclasses.fields(ConsensusConfig):
         special = _FLAGS.get(f.name, {})
@@ -330,7 +330,8 @@ def _consensus_flags(groups: dict) -> None:
             kind = special.get("type", {"float": float, "int": int}.get(f.type))   # annotations are strings
             g.add_argument(flag, type=kind, default=special.get("default", default), help=special.get("help", text),
                            choices={"restart": RESTARTS, "acceleration": ACCELERATIONS,
-                                    "retrain": RETRAINS}.get(f.name, special.get("choices")))
+                                    "retrain": RETRAINS, "channel_budget": CHANNEL_BUDGETS}.get(
+                                        f.name, special.get("choices")))
 
 
 def build_parser() -> argparse.ArgumentParser:

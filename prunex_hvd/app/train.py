@@ -51,9 +51,10 @@ from .data import AUGMENTS, ShardedLoader, load_dataset
 # trainer's own settings: the lr warmed up (AUTO_WARMUP_EPOCHS), the balanced ρ's capped by the round's
 # length (--rho-max auto, AUTO_ROUND_PULL).
 RECIPE = ConsensusConfig(rho1=0.01, rho2=0.001, adaptive_rho=True, restart="global", node_sync=True,
-                         payload_dtype="bf16", freeze_round=1)
+                         payload_dtype="bf16", freeze_round=1, channel_budget="global")
 # The masks freeze after round 1, behind the lr warm-up: why, and the figures, in ConsensusConfig's tuning guide
-# (freeze_round) and benchmarks/README, "Masks frozen after round 1".
+# (freeze_round) and benchmarks/README, "Masks frozen after round 1". channel:K is one budget across the layers
+# (channel_budget; benchmarks/README, "One channel budget across the layers").
 AUTO_FREEZE = 1 / 3   # --freeze-round auto: masks move for the first third, the rest retrains the structure
 AUTO_RAMP = 1 / 4     # --keep-ramp-rounds auto: the kept fraction falls from 1 to its target over the first quarter
 AUTO_RELEASE = 1 / 3  # --rho2-release-round auto: ρ2 balanced for the first third, then released; not the recipe

@@ -150,6 +150,9 @@ class HSADMM:
         structure = structure or Structure.resolve(model, config)
         self.couplings = dict(structure.couplings)   # {consumer conv: producer conv}, pruned as one channel group
         self.streams = list(structure.streams)       # [(readers, writers)]: one channel group per residual stream
+        # channel_budget="global": the layers sharing one budget of kept weights (their channels their own)
+        self.budget_layers = sparsity.own_channel_layers(structure.specs, self.couplings, self.streams) \
+            if config.channel_budget == "global" else []
         self.heads = list(structure.heads)           # attention modules whose heads are kept or dropped whole
         self.bucket_bytes = int(config.bucket_mb * 2**20)
         self.ledger = ledger or default_ledger()
@@ -1000,9 +1003,12 @@ class HSADMM:
 
     def _masks(self, weights: Dict[str, torch.Tensor], extra: float = 0.0) -> List[tuple]:
         """Π_S's support for every structured entry (in ``self.structured`` order), coupled channel groups
-        (pairs, residual streams) pruned together; ``extra`` > 0 loosens every keep ratio (the keep ramp)."""
-        masks = sparsity.coupled_masks(weights, {e.name: sparsity.loosened(e.spec, extra) for e in self.structured},
-                                       self.couplings, self.streams, self.heads)
+        (pairs, residual streams) pruned together, the channels of ``budget_layers`` from one budget across them
+        (``channel_budget="global"``); ``extra`` > 0 loosens every keep ratio (the keep ramp)."""
+        specs = {e.name: sparsity.loosened(e.spec, extra) for e in self.structured}
+        channels = sparsity.budget_channels(weights, {n: specs[n] for n in self.budget_layers},
+                                            self.config.budget_floor) if self.budget_layers else None
+        masks = sparsity.coupled_masks(weights, specs, self.couplings, self.streams, self.heads, channels)
         return [masks[e.name] for e in self.structured]
 
     def _sync_masks(self, local) -> None:

@@ -123,6 +123,67 @@ def stream_channels(weights: Mapping[str, Tensor], readers, writers, keep: float
     return _top_mask(score, keep_count(keep, score.numel()))
 
 
+def own_channel_layers(specs: Mapping[str, "StructureSpec"], couplings: Mapping[str, str] = None,
+                       streams=()) -> list:
+    """The layers whose input channels are theirs alone to choose, in ``specs`` order: held to a plain
+    ``channel:K`` or ``feature:K``, neither a coupled consumer (its producer's filters go with its channels) nor a
+    residual stream's reader. What :func:`budget_channels` can share one budget among."""
+    grouped = set(couplings or ()) | {n for readers, _ in streams for n in readers}
+    return [n for n, spec in specs.items() if n not in grouped
+            and [kind for kind, _ in parse_spec(spec).parts] in (["channel"], ["feature"])]
+
+
+def budget_channels(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureSpec"],
+                    floor: float) -> dict:
+    """One budget of kept weights shared by every layer held to a plain ``channel:K`` (conv) or ``feature:K``
+    (linear): ``{name: bool[C_in]}``, the input channels each keeps. Layers with other specs are not in it.
+
+    The budget is what the per-layer projection keeps, B = Σ_l ceil(K_l·C_l)·m_l, where m_l is the number of
+    weights in one input channel of layer l. The projection onto {every layer channel-sparse, Σ kept weights
+    ≤ B} keeps the channels of largest total squared norm under that budget (a knapsack); this takes them
+    greedily by density ‖W_l[:, c]‖² / m_l, the mean squared weight: first each layer's
+    ``max(1, ceil(floor·C_l))`` densest (at most its ceil(K_l·C_l)), so no layer is cut off, then the longest
+    prefix of one ranking of all the other channels (ties: layer order, then lowest index) that fits in what is
+    left. The total kept never exceeds the per-layer projection's; large layers of small weights give up
+    channels to small ones.
+    """
+    if isinstance(floor, bool) or not 0 < floor <= 1:
+        raise ValueError(f"budget floor must be a fraction in (0, 1], got {floor!r}")
+    chosen, budget, ranked = {}, 0, []
+    for name, spec in specs.items():
+        spec = parse_spec(spec)
+        kinds = [kind for kind, _ in spec.parts]
+        if not {"channel", "feature"} & set(kinds):
+            continue
+        if len(kinds) != 1:
+            raise ValueError(f"a channel budget across layers ranks whole input channels: {name} is held to "
+                             f"{str(spec)!r}; give it 'channel:K' alone, leave it out, or use the per-layer budget")
+        w = weights[name]
+        c_in = w.shape[1]
+        per_channel = w.numel() // c_in
+        density = gemm_view(square_f32(w)).view(w.shape[0], c_in, -1).sum((0, 2)) / per_channel
+        k = keep_count(spec.parts[0][1], c_in)
+        forced = min(k, keep_count(floor, c_in))
+        order = torch.sort(density, descending=True, stable=True).indices
+        mask = torch.zeros(c_in, dtype=torch.bool, device=w.device)
+        mask[order[:forced]] = True
+        chosen[name] = mask
+        budget += (k - forced) * per_channel
+        rest = order[forced:]
+        ranked.append((density[rest].double().cpu(), rest.cpu(), torch.full((len(rest),), per_channel),
+                       torch.full((len(rest),), len(chosen) - 1)))
+    if not ranked:
+        return chosen
+    density, index, cost, layer = (torch.cat(t) for t in zip(*ranked))
+    # descending density; layer order, then lowest index among ties (each layer's rest is already in that order)
+    order = torch.sort(density, descending=True, stable=True).indices
+    taken = order[torch.cumsum(cost[order], 0) <= budget]
+    names = list(chosen)
+    for i in taken.tolist():
+        chosen[names[int(layer[i])]][int(index[i])] = True
+    return chosen
+
+
 def head_scores(weights: Mapping[str, Tensor], group) -> Tensor:
     """Each head's squared norm over its whole group (``float32`` at least, ``[num_heads]``): its rows of every
     q/k/v block and its columns of the output projection (``group``: a
@@ -157,7 +218,7 @@ def read_channels(cols: Tensor, c_in: int) -> Tensor:
 
 
 def coupled_masks(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureSpec"],
-                  couplings: Mapping[str, str], streams=(), heads=()) -> dict:
+                  couplings: Mapping[str, str], streams=(), heads=(), channels=None) -> dict:
     """Masks ``{name: (rows, cols)}`` for every name in ``specs``, with channel pruning coupled along
     ``couplings`` (``{consumer: producer}``, from :func:`prunex_hvd.engine.dependencies.channel_couplings`) and
     ``streams`` (``(readers, writers)`` name tuples, from :func:`prunex_hvd.engine.dependencies.channel_streams`).
@@ -177,6 +238,9 @@ def coupled_masks(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureS
 
     ``heads``: attention modules' :class:`~prunex_hvd.engine.dependencies.HeadGroup`, each decided as one group
     (:func:`head_masks`) at its members' ``head:K``; their weights are in no pair or stream.
+
+    ``channels`` (``{name: bool[C_in]}``, e.g. :func:`budget_channels`): input channels decided beforehand, in
+    place of those layers' channel stage; such a layer may be in no pair or stream.
     """
     readers_of: dict = {}
     for consumer, producer in couplings.items():
@@ -203,6 +267,10 @@ def coupled_masks(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureS
     clash = [n for n in (*live, *live.values(), *stream_rows, *stream_cols) if n in in_heads]
     if clash:
         raise ValueError(f"{clash[0]} is in an attention module's head group and in a coupled pair or stream")
+    channels = channels or {}
+    held = [n for n in channels if n in live or n in stream_cols]
+    if held:   # its input channels would be decided twice
+        raise ValueError(f"{held[0]}'s input channels are given and also decided by a coupled pair or stream")
     consumer_of = {p: c for c, p in live.items()}
     out: dict = {}
     for group in heads:
@@ -226,7 +294,7 @@ def coupled_masks(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureS
                         stream_cols[live[name]].to(producer)[None, :, None]
                 bonus = producer.reshape(producer.shape[0], -1).sum(1)
             out[name] = structured_masks(weights[name], specs[name], rows=rows, channel_bonus=bonus,
-                                         channels=stream_cols.get(name))
+                                         channels=stream_cols.get(name, channels.get(name)))
         return out[name]
 
     for name in specs:
