@@ -11,7 +11,9 @@ transformer), per mask mode:
 * ``per-layer``: ``sparsity.project`` on each conv (``coupled=False``);
 * ``coupled``: ``sparsity.coupled_project`` along ``dependencies.channel_couplings`` (``coupled=True``);
 * ``streams``: the same and ``dependencies.channel_streams`` (``coupled="streams"``): every conv reading or
-  writing one residual stream shares one channel set, ranked by the joint norm over all of them.
+  writing one residual stream shares one channel set, ranked by the joint norm over all of them;
+* ``global``: per layer, the channels of one budget across the layers (``channel_budget="global"``, the
+  command line's recipe; ``sparsity.budget_channels``): as many weights kept, more of the early layers'.
 
 The shapes that survive depend on the masks only (how many channels each layer keeps is fixed by the spec);
 which channels of a residual stream happen to line up across its readers depends on the weights, so a
@@ -36,7 +38,7 @@ from prunex_hvd.app import export, models  # noqa: E402
 from prunex_hvd.engine.config import ConsensusConfig, Structure  # noqa: E402
 
 
-MODES = {"per-layer": False, "coupled": True, "streams": "streams"}
+MODES = {"per-layer": False, "coupled": True, "streams": "streams", "global": False}
 
 
 def masked_model(name: str, spec: str, mode: str, seed: int) -> nn.Module:
@@ -53,7 +55,11 @@ def masked_model(name: str, spec: str, mode: str, seed: int) -> nn.Module:
                 m.bias.normal_(0, 0.3)
     structure = Structure.resolve(model, ConsensusConfig(sparsity=spec, coupled=MODES[mode]))
     ws = {n: p for n, p in model.named_parameters() if n in structure.specs}
-    new = sparsity.coupled_project(ws, structure.specs, structure.couplings, structure.streams, structure.heads)
+    budget = sparsity.own_channel_layers(structure.specs) if mode == "global" else []
+    channels = sparsity.budget_channels({n: ws[n] for n in budget}, {n: structure.specs[n] for n in budget},
+                                        ConsensusConfig.budget_floor) if budget else None
+    new = sparsity.coupled_project(ws, structure.specs, structure.couplings, structure.streams, structure.heads,
+                                   channels)
     with torch.no_grad():
         for n, w in new.items():
             ws[n].copy_(w)

@@ -269,10 +269,11 @@ class ConsensusConfig:
       smallest, give up channels to the early ones, whose maps are largest: the pruned model keeps half the
       weights but ~0.8 of the multiply-adds (export: ResNet-18 at 8×8 0.84×, resnet_small 0.79×; per layer
       0.47× / 0.44×), so each step of the retraining phase computes more. Measured on the recipe, paired by
-      seed (benchmarks/README,
-      "One channel budget across the layers"): ResNet-18 at 8×8 98.96% against 98.47% per layer (4 seeds, PacTrain
-      98.96%; 90% after 4.4 epochs against 5.1), digits 99.14% against 98.86% (10 seeds, PacTrain 99.17%; 95%
-      after 7.2 epochs against 8.8), synthetic level at the end with 70% after 3.0 epochs against 4.0 (2 seeds).
+      seed (benchmarks/README, "One channel budget across the layers"): digits 99.14% against 98.86% per layer
+      (10 seeds; PacTrain 99.17%; 95% after 7.2 epochs against 8.8), ResNet-18 at 8×8 98.51% against 98.33% (8
+      seeds; PacTrain 98.82%; 90% after 4.2 epochs against 5.3), synthetic level at the end with 70% after 3.0
+      epochs against 4.0 (2 seeds); on the emulated cluster 0.80 in 0.93× the time (5 seeds, 2.36× sooner than
+      hierarchical local SGD). A floor at or above a layer's keep ratio gives it exactly its per-layer count.
     * ``coupled`` — channel pruning with dependencies (Torch-Pruning's "group"): when conv B reads conv A's
       output through BatchNorm/activations only, B's input channel c and A's filter c are pruned together,
       ranked by their joint norm. ``channel:0.5`` then also halves A's filters: inter-node traffic falls from

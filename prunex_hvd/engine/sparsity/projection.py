@@ -303,10 +303,10 @@ def coupled_masks(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureS
 
 
 def coupled_project(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureSpec"],
-                    couplings: Mapping[str, str], streams=(), heads=()) -> dict:
+                    couplings: Mapping[str, str], streams=(), heads=(), channels=None) -> dict:
     """``{name: W ⊙ mask}`` with the masks of :func:`coupled_masks`."""
     return {name: apply_masks(weights[name], rows, cols)
-            for name, (rows, cols) in coupled_masks(weights, specs, couplings, streams, heads).items()}
+            for name, (rows, cols) in coupled_masks(weights, specs, couplings, streams, heads, channels).items()}
 
 
 def masks_to_indices(rows: Tensor, cols: Tensor) -> Tuple[Tensor, Tensor]:
