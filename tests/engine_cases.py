@@ -634,7 +634,7 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
             if stream:     # a stream writer: one filter per channel the stream's readers kept
                 want_rows = keep(float(specs[stream[0][0]].split(":")[1]), c_out)
             assert rows == want_rows, (name, rows)
-            if budget_floor is not None:
+            if budget_floor is not None and "channel" in parts:
                 assert keep(budget_floor, c_in) <= channels <= c_in, (name, channels)
                 budget_used[rank] = budget_used.get(rank, 0) + (channels - keep(float(parts["channel"]), c_in)) * \
                     c_out * kh * kw

@@ -72,13 +72,13 @@ def reference_budget(weights, specs, floor):
     """One channel budget across the layers held to a plain channel:K / feature:K, written plainly: the budget is
     the per-layer projection's kept weights, sum of ceil(K·C)·m (m = weights in one input channel); each layer
     first keeps its max(1, ceil(floor·C)) channels (at most ceil(K·C)) of largest mean square, then all other
-    channels, one list ordered by mean square (ties: layer order, then index), are kept from its top for as long
-    as the running total of their weights stays within what the budget has left."""
+    channels, one list ordered by mean square (ties: layer order, then index), are taken in turn, each kept if
+    its weights fit in what the budget has left."""
     forced, rest, budget = {}, [], 0
     for li, (name, spec) in enumerate(specs.items()):
-        kind, keep = str(spec).split(":")
-        if "+" in str(spec) or kind not in ("channel", "feature"):
+        if "+" in str(spec) or str(spec).split(":")[0] not in ("channel", "feature"):
             continue
+        keep = str(spec).split(":")[1]
         w = weights[name].double()
         c_in = w.shape[1]
         m = w.numel() // c_in
@@ -90,12 +90,10 @@ def reference_budget(weights, specs, floor):
         forced[name][order[:first]] = True
         budget += (k - first) * m
         rest += [(-mean_square[c], li, c, name, m) for c in order[first:]]
-    total = 0
     for _, _, c, name, m in sorted(rest):
-        total += m
-        if total > budget:
-            break
-        forced[name][c] = True
+        if m <= budget:
+            budget -= m
+            forced[name][c] = True
     return forced
 
 

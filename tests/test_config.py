@@ -243,7 +243,6 @@ def test_channel_budget_is_layer_or_global_and_global_is_the_recipe():
     for bad in (0, 1.5, True, float("nan")):
         with pytest.raises(ValueError, match="budget_floor must be a fraction in"):
             ConsensusConfig(budget_floor=bad)
-    assert consensus("--coupled").coupled is True   # the coupled layers keep their own count (a warning)
 
 
 def test_rho_max_auto_caps_rho_where_a_rounds_steps_would_pull_theta_back_once():

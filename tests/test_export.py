@@ -244,8 +244,9 @@ def test_export_a_real_run_from_the_command_line(tmp_path, capsys):
         assert report[key]["flops"] == flops_by_hand(model, x)
     assert report["slim"]["params"] < 0.55 * report["masked"]["params"]
     # the recipe's one channel budget keeps the early layers, whose maps are largest, and cuts the last stage's
-    # wide convs: half the weights, ~0.8 of the multiply-adds (--channel-budget layer: ~0.5)
-    assert report["ratio"]["flops"] == report["slim"]["flops"] / report["masked"]["flops"] < 0.9
+    # wide convs: half the weights, ~0.8 of the multiply-adds (--channel-budget layer: ~0.45)
+    assert report["ratio"]["flops"] == report["slim"]["flops"] / report["masked"]["flops"]
+    assert 0.6 < report["ratio"]["flops"] < 0.9
     for bs in ("1", "8"):
         row = report["latency"]["batch"][bs]
         assert row["masked"]["ratio"] == 1.0 and row["slim"]["median_ms"] > 0

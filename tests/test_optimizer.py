@@ -261,7 +261,7 @@ def test_a_global_channel_budget_names_the_layers_that_keep_their_own_count():
     with pytest.warns(UserWarning, match=r"channel_budget='global': 1 layers share one budget") as record:
         opt = _wrap(_Mixed(), sparsity=sparsity, channel_budget="global")
     messages = [str(w.message) for w in record if "channel_budget" in str(w.message)]
-    assert len(messages) == 1 and messages[0].endswith("reader): last.weight"), messages
+    assert len(messages) == 1 and messages[0].endswith("residual stream): last.weight"), messages
     assert opt.stats()["rounds"] == 0
     import warnings
     with warnings.catch_warnings():

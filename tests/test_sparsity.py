@@ -656,5 +656,24 @@ def test_own_channel_layers_leave_out_grouped_and_composite_layers():
     specs = {"a": "channel:0.5", "b": "channel:0.5", "c": "filter:0.5+channel:0.5", "d": "feature:0.5",
              "e": "neuron:0.5", "f": "channel:0.5", "g": "shape:0.5"}
     assert own_channel_layers(specs) == ["a", "b", "d", "f"]
-    # a coupled consumer (b reads a) and a stream's reader (f) have their channels chosen with other layers
-    assert own_channel_layers(specs, {"b": "a"}, [(("f",), ("a",))]) == ["a", "d"]
+    # a coupled pair (b reads a) and a residual stream (read by f, written by a) choose with other layers
+    assert own_channel_layers(specs, {"b": "a"}, [(("f",), ("a",))]) == ["d"]
+    assert own_channel_layers(specs, {"b": "a"}) == ["d", "f"]
+
+
+def test_budget_channels_a_channel_that_does_not_fit_leaves_the_room_to_smaller_ones():
+    """The ranking's first channel left, of a large layer, does not fit in what the budget has left; the small
+    layer's after it do (a prefix of the ranking would stop there and leave the budget unspent)."""
+    from reference import reference_budget
+    from prunex_hvd.engine.sparsity import budget_channels
+    small = torch.tensor([9.0, 8.0, 3.0, 2.5, 1.0, 1.0, 1.0, 1.0]).sqrt().view(1, 8, 1, 1)   # 1 weight a channel
+    large = torch.full((1, 4, 3, 3), 0.5 ** 0.5)                                          # 9 weights a channel
+    large[0, 0], large[0, 1] = 10.0 ** 0.5, 5.0 ** 0.5
+    weights, specs = {"large": large, "small": small}, {"large": "channel:0.25", "small": "channel:0.5"}
+    # floors: large's channel 0 (all of its ceil(0.25·4) = 1), small's 0 and 1; left: 2 of small's 4 weights.
+    # Next by mean square: large's channel 1 (5.0, 9 weights) does not fit; small's 2 and 3 (3.0, 2.5) do
+    got = budget_channels(weights, specs, 0.25)
+    assert got["large"].tolist() == [True, False, False, False]
+    assert got["small"].tolist() == [True] * 4 + [False] * 4
+    want = reference_budget(weights, specs, 0.25)
+    assert all(torch.equal(got[n], want[n]) for n in got)

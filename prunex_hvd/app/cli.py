@@ -232,7 +232,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="pactrain: steps the mask must hold before gradients travel compacted")
     g.add_argument("--pactrain-structure", default=D.pactrain_structure, choices=("unstructured", "structured"),
                    help="pactrain: single weights (the paper), or PruneX's structure at init (whole channels, "
-                        "filters, heads; --coupled as for prunex)")
+                        "filters, heads, each layer keeping its own ratio: --channel-budget layer; --coupled as "
+                        "for prunex)")
     g.add_argument("--terngrad", action="store_true", help="pactrain: ternary gradients with a shared scale")
     g.add_argument("--hier-intra-steps", type=int, default=D.hier_intra_steps,
                    help="localsgd-hier: steps between averages within a node; must divide the round's steps "

@@ -261,8 +261,8 @@ class ConsensusConfig:
       ``weight_decay_z=0`` and no ``"fast-admm"``; resume with the same setting.
     * ``channel_budget`` / ``budget_floor`` — how ``channel:K`` (and ``feature:K``) is counted. ``"layer"``
       (the paper's): every layer keeps ⌈K·C_in⌉ of its input channels. ``"global"`` (``prunex-hvd train``'s
-      recipe): the layers whose channels are their own (a plain ``channel:K`` / ``feature:K``, not a coupled
-      consumer or a stream's reader; the others keep their own count, one warning names them) share one budget,
+      recipe): the layers whose channels are their own (a plain ``channel:K`` / ``feature:K``, in no coupled
+      pair or residual stream; the others keep their own count, one warning names them) share one budget,
       the weights the per-layer projection would keep, and the channels of largest mean squared weight take it,
       each layer keeping at least ``budget_floor`` of its channels (docs/algorithm.md, "One channel budget
       across the layers"). Same bytes or fewer; on a ResNet the last stage's wide convs, whose weights are
@@ -273,7 +273,7 @@ class ConsensusConfig:
       (10 seeds; PacTrain 99.17%; 95% after 7.2 epochs against 8.8), ResNet-18 at 8×8 98.51% against 98.33% (8
       seeds; PacTrain 98.82%; 90% after 4.2 epochs against 5.3), synthetic level at the end with 70% after 3.0
       epochs against 4.0 (2 seeds); on the emulated cluster 0.80 in 0.93× the time (5 seeds, 2.36× sooner than
-      hierarchical local SGD). A floor at or above a layer's keep ratio gives it exactly its per-layer count.
+      hierarchical local SGD). A floor at or above every layer's keep ratio is the per-layer count exactly.
     * ``coupled`` — channel pruning with dependencies (Torch-Pruning's "group"): when conv B reads conv A's
       output through BatchNorm/activations only, B's input channel c and A's filter c are pruned together,
       ranked by their joint norm. ``channel:0.5`` then also halves A's filters: inter-node traffic falls from

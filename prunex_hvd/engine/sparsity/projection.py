@@ -125,10 +125,12 @@ def stream_channels(weights: Mapping[str, Tensor], readers, writers, keep: float
 
 def own_channel_layers(specs: Mapping[str, "StructureSpec"], couplings: Mapping[str, str] = None,
                        streams=()) -> list:
-    """The layers whose input channels are theirs alone to choose, in ``specs`` order: held to a plain
-    ``channel:K`` or ``feature:K``, neither a coupled consumer (its producer's filters go with its channels) nor a
-    residual stream's reader. What :func:`budget_channels` can share one budget among."""
-    grouped = set(couplings or ()) | {n for readers, _ in streams for n in readers}
+    """The layers whose input channels are theirs alone to choose, and all their weights with them, in ``specs``
+    order: held to a plain ``channel:K`` or ``feature:K``, in no coupled pair (a consumer's channels go with its
+    producer's filters, which a producer keeps only some of) and no residual stream (readers and writers alike).
+    What :func:`budget_channels` can share one budget among."""
+    grouped = set(couplings or ()) | set((couplings or {}).values()) | \
+        {n for readers, writers in streams for n in (*readers, *writers)}
     return [n for n, spec in specs.items() if n not in grouped
             and [kind for kind, _ in parse_spec(spec).parts] in (["channel"], ["feature"])]
 
@@ -140,11 +142,12 @@ def budget_channels(weights: Mapping[str, Tensor], specs: Mapping[str, "Structur
 
     The budget is what the per-layer projection keeps, B = Σ_l ceil(K_l·C_l)·m_l, where m_l is the number of
     weights in one input channel of layer l. The projection onto {every layer channel-sparse, Σ kept weights
-    ≤ B} keeps the channels of largest total squared norm under that budget (a knapsack); this takes them
-    greedily by density ‖W_l[:, c]‖² / m_l, the mean squared weight: first each layer's
-    ``max(1, ceil(floor·C_l))`` densest (at most its ceil(K_l·C_l)), so no layer is cut off, then the longest
-    prefix of one ranking of all the other channels (ties: layer order, then lowest index) that fits in what is
-    left. The total kept never exceeds the per-layer projection's; large layers of small weights give up
+    ≤ B} keeps the channels of largest total squared norm under that budget, a knapsack; this is the greedy
+    answer by density ‖W_l[:, c]‖² / m_l, the mean squared weight (not always the exact one): first each
+    layer's ``max(1, ceil(floor·C_l))`` densest (at most its ceil(K_l·C_l)), so no layer is cut off, then one
+    ranking of all the other channels (ties: layer order, then lowest index), each kept if its weights fit in
+    what the budget has left (one of a large layer that does not fit leaves the room to smaller ones after
+    it). The total kept never exceeds the per-layer projection's; large layers of small weights give up
     channels to small ones.
     """
     if isinstance(floor, bool) or not 0 < floor <= 1:
@@ -176,11 +179,18 @@ def budget_channels(weights: Mapping[str, Tensor], specs: Mapping[str, "Structur
         return chosen
     density, index, cost, layer = (torch.cat(t) for t in zip(*ranked))
     # descending density; layer order, then lowest index among ties (each layer's rest is already in that order)
-    order = torch.sort(density, descending=True, stable=True).indices
-    taken = order[torch.cumsum(cost[order], 0) <= budget]
-    names = list(chosen)
-    for i in taken.tolist():
-        chosen[names[int(layer[i])]][int(index[i])] = True
+    order = torch.sort(density, descending=True, stable=True).indices.tolist()
+    index, cost, layer, cheapest = index.tolist(), cost.tolist(), layer.tolist(), int(cost.min())
+    taken = [[] for _ in chosen]
+    for i in order:
+        if cost[i] <= budget:
+            budget -= cost[i]
+            taken[layer[i]].append(index[i])
+        elif budget < cheapest:
+            break
+    for (name, mask), idx in zip(chosen.items(), taken):
+        if idx:
+            mask[torch.tensor(idx, device=mask.device)] = True
     return chosen
 
 
