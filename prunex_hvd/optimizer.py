@@ -367,18 +367,18 @@ def warn_stages_removing_nothing(model, specs) -> None:
 
 
 def warn_outside_the_budget(config, structure) -> None:
-    """With ``channel_budget="global"``: one warning naming the layers with a channel stage that keep their own
-    count instead (a composite spec, a coupled pair, a residual stream), or saying no layer shares the budget."""
+    """With ``channel_budget="global"``, where some layers share the budget and others with a channel stage keep
+    their own count (a composite spec, a coupled pair, a residual stream): one warning naming those. (Where none
+    shares it, e.g. a coupled ViT, the budget changes nothing and nothing is said.)"""
     if config.channel_budget != "global":
         return
     inside = set(own_channel_layers(structure.specs, structure.couplings, structure.streams))
     outside = [n for n, spec in structure.specs.items()
                if n not in inside and {"channel", "feature"} & {kind for kind, _ in spec.parts}]
-    if outside or not inside:
-        why = (f"these keep their own channel count (a composite spec, a coupled pair or a residual stream): "
-               f"{', '.join(outside)}") if outside else "no layer is pruned by input channel alone"
-        warnings.warn(f"channel_budget='global': {len(inside)} layers share one budget of kept weights; {why}",
-                      stacklevel=3)
+    if outside and inside:
+        warnings.warn(f"channel_budget='global': {len(inside)} layers share one budget of kept weights; these keep "
+                      f"their own channel count (a composite spec, a coupled pair or a residual stream): "
+                      f"{', '.join(outside)}", stacklevel=3)
 
 
 def check_wrapping(optimizer, model, bucket_mb=None) -> list:

@@ -255,7 +255,8 @@ def test_stages_that_remove_nothing_are_one_warning_naming_the_layers():
 
 def test_a_global_channel_budget_names_the_layers_that_keep_their_own_count():
     """channel_budget='global' shares one budget among the layers pruned by input channel alone; one with a
-    composite spec keeps its own count, and one warning (rank 0) names it. None when every such layer is in."""
+    composite spec keeps its own count, and one warning (rank 0) names it. None when every such layer is in, or
+    when none is (the budget changes nothing)."""
     sparsity = {"stem.*": "dense", "depthwise.*": "filter:0.5", "mix.*": "channel:0.5",
                 "last.*": "filter:0.5+channel:0.5"}
     with pytest.warns(UserWarning, match=r"channel_budget='global': 1 layers share one budget") as record:
@@ -267,3 +268,4 @@ def test_a_global_channel_budget_names_the_layers_that_keep_their_own_count():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _wrap(_Mixed(), sparsity=dict(sparsity, **{"last.*": "channel:0.5"}), channel_budget="global")
+        _wrap(_Mixed(), sparsity=dict(sparsity, **{"mix.*": "filter:0.5"}), channel_budget="global")
