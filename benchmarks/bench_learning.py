@@ -127,8 +127,9 @@ VARIANTS: Dict[str, str] = {
                             "--channel-budget global",
     "prunex-global-release-rho2": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
                                   "--channel-budget global --rho2-release-round auto",
+    # ... with ρ2 held where it starts (residual balancing of ρ1 only)
     "prunex-global-hold-rho2": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
-                               "--channel-budget global --no-balance-rho2",   # ... ρ2 held at its start
+                               "--channel-budget global --no-balance-rho2",
     # without the lr warm-up: frozen after round 1, or a third of the way (--freeze-round auto)
     **{f"prunex-no-warmup-freeze{f}": f"--method prunex --sparsity channel:0.5 --warmup-epochs 0 --freeze-round {f} "
                                       "--keep-ramp-rounds 0" for f in ("1", "auto")},
