@@ -68,6 +68,9 @@ def prunex(sparsity: str = "channel:0.5", levers: str = "") -> str:
 
 
 GROW = "--rho-growth 1.3 --no-adaptive-rho"
+# the recipe of 2026-11-28's sweeps without its channel budget: masks frozen after round 1 whatever the task pins,
+# no keep ramp
+FREEZE1 = "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0"
 VARIANTS: Dict[str, str] = {
     "dense": "--method dense",
     "localsgd": "--method localsgd",
@@ -111,25 +114,18 @@ VARIANTS: Dict[str, str] = {
     "prunex-fixed-rho": "--method prunex --sparsity channel:0.5 --no-adaptive-rho",   # ρ held at 0.01 / 0.001
     # the recipe of 2026-11-28's sweeps (its masks freeze after round 1 whatever the task pins; each layer keeps
     # half its channels)
-    "prunex-freeze1": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
-                      "--channel-budget layer",
+    "prunex-freeze1": f"{FREEZE1} --channel-budget layer",
     # ... retraining by plain averaging from round 2; ... with ρ2 held (ρ1 still balanced)
-    "prunex-freeze1-average": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
-                              "--channel-budget layer --retrain average",
-    "prunex-freeze1-hold-rho2": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
-                                "--channel-budget layer --no-balance-rho2",
+    "prunex-freeze1-average": f"{FREEZE1} --channel-budget layer --retrain average",
+    "prunex-freeze1-hold-rho2": f"{FREEZE1} --channel-budget layer --no-balance-rho2",
     # ρ2 balanced for the first third of the rounds, then released: halved back to its start (rho2_release_round)
-    "prunex-release-rho2": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
-                           "--channel-budget layer --rho2-release-round auto",
+    "prunex-release-rho2": f"{FREEZE1} --channel-budget layer --rho2-release-round auto",
     # one channel budget across the layers (channel_budget="global"): the recipe since the twelfth sweep; ... with
     # ρ2 released after a third of the rounds
-    "prunex-global-budget": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
-                            "--channel-budget global",
-    "prunex-global-release-rho2": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
-                                  "--channel-budget global --rho2-release-round auto",
+    "prunex-global-budget": f"{FREEZE1} --channel-budget global",
+    "prunex-global-release-rho2": f"{FREEZE1} --channel-budget global --rho2-release-round auto",
     # ... with ρ2 held where it starts (residual balancing of ρ1 only)
-    "prunex-global-hold-rho2": "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0 "
-                               "--channel-budget global --no-balance-rho2",
+    "prunex-global-hold-rho2": f"{FREEZE1} --channel-budget global --no-balance-rho2",
     # without the lr warm-up: frozen after round 1, or a third of the way (--freeze-round auto)
     **{f"prunex-no-warmup-freeze{f}": f"--method prunex --sparsity channel:0.5 --warmup-epochs 0 --freeze-round {f} "
                                       "--keep-ramp-rounds 0" for f in ("1", "auto")},
