@@ -126,6 +126,8 @@ VARIANTS: Dict[str, str] = {
     "prunex-global-release-rho2": f"{FREEZE1} --channel-budget global --rho2-release-round auto",
     # ... with ρ2 held where it starts (residual balancing of ρ1 only)
     "prunex-global-hold-rho2": f"{FREEZE1} --channel-budget global --no-balance-rho2",
+    # ... without the lr warm-up (the recipe's evaluations measure BatchNorm statistics again since 2026-11-29)
+    "prunex-global-no-warmup": f"{FREEZE1} --channel-budget global --warmup-epochs 0",
     # without the lr warm-up: frozen after round 1, or a third of the way (--freeze-round auto)
     **{f"prunex-no-warmup-freeze{f}": f"--method prunex --sparsity channel:0.5 --warmup-epochs 0 --freeze-round {f} "
                                       "--keep-ramp-rounds 0" for f in ("1", "auto")},

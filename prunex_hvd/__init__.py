@@ -7,6 +7,7 @@ topology. Structured pruning that shrinks what crosses the inter-node links.
 """
 import logging
 
+from .batchnorm import recalibrate_batchnorm
 from .dist import comm
 from .dist.runtime import init, is_initialized, shutdown, topology
 from .dist.topology import Topology, TopologyError
@@ -20,4 +21,4 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 __all__ = ["ConsensusConfig", "DistributedOptimizer", "Topology", "TopologyError", "comm", "init", "is_initialized",
-           "shutdown", "sparsity", "topology"]
+           "recalibrate_batchnorm", "shutdown", "sparsity", "topology"]

@@ -58,6 +58,7 @@ def test_cifar10_from_the_pickle_layout(tmp_path, capsys):
     (["--dataset", "cifar10", "--data-dir", "{tmp}/nowhere"], "cifar-10-batches-py"),
     (["--dataset", "cifar10"], "--data-dir"),
     (["--epochs", "0"], "epochs must be a finite number > 0"),
+    (["--bn-recalibrate", "-1"], "bn_recalibrate must be an int >= 0"),
     (["--model", "resnet9000"], "resnet_small"),
     (["--model", "torchvision:resnet18"], "torchvision"),
     (["--sparsity", "channel:2"], r"keep ratio must be in \(0, 1\]"),

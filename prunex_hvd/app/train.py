@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..dist import comm
+from ..batchnorm import recalibrate_batchnorm, restore_buffers, snapshot_buffers
 from ..dist import runtime
 from ..dist.agreement import call_agreed
 from ..engine.config import ConsensusConfig
@@ -140,6 +142,8 @@ class TrainConfig:
     resume: bool = False
     stop_after_rounds: Optional[int] = None    # a time-boxed slice: checkpoint and stop after this many more rounds
     eval_every: int = 1                        # rounds
+    bn_recalibrate: int = 8                    # training batches per rank the evaluated model's BatchNorm statistics
+                                               # are measured again on (0: the round's own statistics)
     threads: Optional[int] = None
     device: str = "auto"                       # auto: this rank's GPU (local rank) when CUDA is there, else cpu
     progress: bool = True
@@ -228,6 +232,10 @@ class TrainConfig:
         for name in ("batch_size", "test_batch_size", "eval_every"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if isinstance(self.bn_recalibrate, bool) or not isinstance(self.bn_recalibrate, int) \
+                or self.bn_recalibrate < 0:
+            raise ValueError(f"bn_recalibrate must be an int >= 0 (training batches per rank; 0: off), got "
+                             f"{self.bn_recalibrate!r}")
         if self.augment is not None and self.augment not in AUGMENTS:
             raise ValueError(f"augment must be one of {', '.join(AUGMENTS)} (or None: the dataset's), got "
                              f"{self.augment!r}")
@@ -286,6 +294,22 @@ def _pick_device(requested: str, local_rank: int) -> torch.device:
     index = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def evaluate_recalibrated(model: torch.nn.Module, test_loader: ShardedLoader, train_loader: ShardedLoader,
+                          num_batches: int, world, control, keep: bool = False) -> Dict[str, float]:
+    """The model's accuracy with its BatchNorm statistics measured again on ``num_batches`` training batches per
+    rank (:func:`prunex_hvd.batchnorm.recalibrate_batchnorm`), and as it came (``*_no_recal``). The statistics are
+    put back unless ``keep``. Without ``world`` (0 batches, or no BatchNorm), the plain evaluation."""
+    if world is None:
+        return evaluate(model, test_loader, control)
+    came = evaluate(model, test_loader, control)
+    saved = None if keep else snapshot_buffers(model)
+    recalibrate_batchnorm(model, train_loader.batches(), num_batches, world)
+    result = evaluate(model, test_loader, control)
+    if saved is not None:
+        restore_buffers(model, saved)
+    return dict(result, test_acc_no_recal=came["test_acc"], test_loss_no_recal=came["test_loss"])
 
 
 def evaluate(model: torch.nn.Module, loader: ShardedLoader, control) -> Dict[str, float]:
@@ -393,6 +417,12 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     opt = call_agreed(control, methods.wrap, cfg.method, base, model, cfg,
                       sample_batch=lambda: next(iter(train_loader.batches())))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(cfg, steps_per_epoch))
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+                 for m in model.modules())
+    bn_world = comm.groups().world if cfg.bn_recalibrate and has_bn else None   # collective: built on every rank
+
+    def scored(keep: bool = False) -> Dict[str, float]:
+        return evaluate_recalibrated(model, test_loader, train_loader, cfg.bn_recalibrate, bn_world, control, keep)
     if is_main and auto_warmup and cfg.warmup_epochs > 0:   # said once the job is known to be sound
         logging.getLogger("prunex_hvd").info(
             "%s: the lr warms up linearly to %g over the first %g epoch(s) (--warmup-epochs auto; 0 turns it off)",
@@ -444,7 +474,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                "test_acc": None, "test_loss": None}
         if with_eval:
             with opt.consensus_weights():
-                rec.update(evaluate(model, test_loader, control))
+                rec.update(scored())
         rec.update(_job_totals(control, stats))
         for key in ("density", "layer_density", "residuals", "rho", "mask_drift", "frozen", "exchange_wait_s"):
             if key in stats:
@@ -513,7 +543,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         return {"stopped_after_round": stopped, "step": step}
 
     opt.finalize()
-    final = evaluate(model, test_loader, control)
+    final = scored(keep=True)   # the final model keeps the statistics measured for its own weights
     stats = opt.stats()
     totals = _job_totals(control, stats)
     params_total = sum(p.numel() for p in model.parameters())
@@ -525,6 +555,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                "backend": runtime.default_backend(), "epochs": cfg.epochs, "rounds": stats["rounds"],
                "steps": step, "local_steps": local_steps, "final_test_acc": final["test_acc"],
                "final_test_loss": final["test_loss"], "density": stats.get("density", 1.0),
+               **{f"final_{k}": final[k] for k in ("test_acc_no_recal", "test_loss_no_recal") if k in final},
                "layer_density": stats.get("layer_density", {}), **totals, "wall_s": wall,
                "exchange_wait_s": stats.get("exchange_wait_s"),
                "params_total": params_total, "params_nonzero": params_nonzero, "args": cfg.as_dict()}
