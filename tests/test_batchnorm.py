@@ -144,6 +144,8 @@ def test_train_evaluates_recalibrated_and_trains_the_same(tmp_path, capsys):
                       if not k.endswith(("running_mean", "running_var", "num_batches_tracked")))
     assert any(not torch.equal(final["on"][k], final["off"][k]) for k in bn)
     summary = json.loads((tmp_path / "on" / "summary.json").read_text())
+    per_epoch = summary["steps"] // 2   # the final model's statistics: a whole epoch of batches, not 3
+    assert int(final["on"]["bn1.num_batches_tracked"]) == per_epoch > 3
     assert summary["final_test_acc_no_recal"] == json.loads((tmp_path / "off" / "summary.json").read_text())[
         "final_test_acc"]
 

@@ -143,7 +143,8 @@ class TrainConfig:
     stop_after_rounds: Optional[int] = None    # a time-boxed slice: checkpoint and stop after this many more rounds
     eval_every: int = 1                        # rounds
     bn_recalibrate: int = 8                    # training batches per rank the evaluated model's BatchNorm statistics
-                                               # are measured again on (0: the round's own statistics)
+                                               # are measured again on, a whole epoch for the final model (0: the
+                                               # round's own statistics)
     threads: Optional[int] = None
     device: str = "auto"                       # auto: this rank's GPU (local rank) when CUDA is there, else cpu
     progress: bool = True
@@ -421,8 +422,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                  for m in model.modules())
     bn_world = comm.groups().world if cfg.bn_recalibrate and has_bn else None   # collective: built on every rank
 
-    def scored(keep: bool = False) -> Dict[str, float]:
-        return evaluate_recalibrated(model, test_loader, train_loader, cfg.bn_recalibrate, bn_world, control, keep)
+    def scored(num_batches: int, keep: bool = False) -> Dict[str, float]:
+        return evaluate_recalibrated(model, test_loader, train_loader, num_batches, bn_world, control, keep)
     if is_main and auto_warmup and cfg.warmup_epochs > 0:   # said once the job is known to be sound
         logging.getLogger("prunex_hvd").info(
             "%s: the lr warms up linearly to %g over the first %g epoch(s) (--warmup-epochs auto; 0 turns it off)",
@@ -474,7 +475,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                "test_acc": None, "test_loss": None}
         if with_eval:
             with opt.consensus_weights():
-                rec.update(scored())
+                rec.update(scored(cfg.bn_recalibrate))
         rec.update(_job_totals(control, stats))
         for key in ("density", "layer_density", "residuals", "rho", "mask_drift", "frozen", "exchange_wait_s"):
             if key in stats:
@@ -543,7 +544,10 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         return {"stopped_after_round": stopped, "step": step}
 
     opt.finalize()
-    final = scored(keep=True)   # the final model keeps the statistics measured for its own weights
+    # the final model keeps statistics measured for its own weights, over a whole epoch: 8 batches a rank cost the
+    # end 0.07-0.14 points on digits and 0.14 on ResNet-18 (benchmarks/README, "The consensus model's BatchNorm
+    # statistics"), an epoch nothing
+    final = scored(steps_per_epoch, keep=True)
     stats = opt.stats()
     totals = _job_totals(control, stats)
     params_total = sum(p.numel() for p in model.parameters())
