@@ -9,9 +9,10 @@ per epoch, with its task's shared recipe (model, data, epochs, batch, lr, ρ's, 
 adds its own flags, so every method sees the same round period and the same user recipe. ``--jobs N`` runs N
 jobs side by side (on a 16-core host 4 jobs of 4 single-thread ranks fill it; here keep 1).
 
-Per run the JSON has the test accuracy of the consensus model after every round (``curve``: epoch, accuracy),
-the first epoch reaching each of the task's targets (``epochs_to``; null if never), the final accuracy, the
-density and the inter-node bytes. Per (task, variant) it has the mean over seeds (``summary``). Each run's
+Per run the JSON has the test accuracy of the consensus model after every round (``curve``: epoch, accuracy;
+its BatchNorm statistics measured again, the trainer's ``--bn-recalibrate``, and in ``curve_no_recal`` as the
+round left them), the first epoch reaching each of the task's targets (``epochs_to``; null if never), the final
+accuracy, the density and the inter-node bytes. Per (task, variant) it has the mean over seeds (``summary``). Each run's
 folder (``<out>/<task>/<variant>-s<seed>``) is a normal run; at the end ``prunex-hvd report`` draws every
 run in each task's folder into ``<out>/<task>/report`` (accuracy at equal epochs with the seeds as a band,
 epochs to the task's targets, and the table).
@@ -187,10 +188,15 @@ def read_run(run_dir: str, targets) -> dict:
     """A finished run as the JSON keeps it, read by ``prunex-hvd report``'s own loader."""
     run = load_run(run_dir)
     final = run["final"] or {}
-    curve = [[round(r["epoch"], 4), r["test_acc"]] for r in run["metrics"] if r.get("test_acc") is not None]
-    return {"curve": curve, "epochs_to": {str(t): epochs_to_target(run, t) for t in targets},
-            "final_acc": final.get("test_acc"), "density": final.get("density"),
-            "inter_bytes": final.get("inter_bytes"), "wall_s": final.get("wall_s")}
+    scored = [r for r in run["metrics"] if r.get("test_acc") is not None]
+    curve = [[round(r["epoch"], 4), r["test_acc"]] for r in scored]
+    rec = {"curve": curve, "epochs_to": {str(t): epochs_to_target(run, t) for t in targets},
+           "final_acc": final.get("test_acc"), "density": final.get("density"),
+           "inter_bytes": final.get("inter_bytes"), "wall_s": final.get("wall_s")}
+    if final.get("test_acc_no_recal") is not None:   # BatchNorm recalibrated (--bn-recalibrate): also as it came
+        rec["curve_no_recal"] = [[round(r["epoch"], 4), r["test_acc_no_recal"]] for r in scored]
+        rec["final_acc_no_recal"] = final["test_acc_no_recal"]
+    return rec
 
 
 def launch_command(launcher: str, python: str, train_args: List[str]) -> List[str]:
