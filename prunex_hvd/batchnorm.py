@@ -40,9 +40,11 @@ def recalibrate_batchnorm(model: torch.nn.Module, batches: Iterable, num_batches
         opt.finalize()
         px.recalibrate_batchnorm(model, train_loader, num_batches=8)   # after a pruned, averaged model
 
-    Training is not touched: no parameter moves, no optimizer state, no random numbers drawn. To evaluate mid-run
-    without keeping the statistics, save ``model.buffers()`` first (``prunex-hvd train`` does). A model without
-    tracked BatchNorm (a ViT's LayerNorm) is left as it is and 0 is returned, on every rank.
+    Training is not touched: no parameter moves, no optimizer state, no random numbers drawn (unless the model
+    draws its own in train mode: Dropout). Batches are moved to the model's device. To evaluate mid-run without
+    keeping the statistics, save ``model.buffers()`` first (``prunex-hvd train`` does). A model without tracked
+    BatchNorm (a ViT's LayerNorm) is left as it is and 0 is returned, on every rank. Each layer's
+    ``num_batches_tracked`` becomes the world's batch count.
     """
     if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
         raise ValueError(f"num_batches must be an int >= 1, got {num_batches!r}")
@@ -54,7 +56,8 @@ def recalibrate_batchnorm(model: torch.nn.Module, batches: Iterable, num_batches
     if not layers:
         return 0
     taken = []   # update_bn takes every batch it is given: count them as they pass
-    update_bn((taken.append(None) or b for b in itertools.islice(batches, num_batches)), model)
+    device = next(model.parameters(), torch.empty(0)).device
+    update_bn((taken.append(None) or b for b in itertools.islice(batches, num_batches)), model, device=device)
     if world is None or world.size == 1:
         if not taken:
             raise ValueError("recalibrate_batchnorm: the batches yielded nothing; the statistics were reset")
@@ -71,6 +74,8 @@ def recalibrate_batchnorm(model: torch.nn.Module, batches: Iterable, num_batches
     for t in stats:
         t.copy_((flat[offset: offset + t.numel()] / total).view_as(t))
         offset += t.numel()
+    for m in layers:
+        m.num_batches_tracked.fill_(total)
     return total
 
 

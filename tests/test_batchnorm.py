@@ -77,6 +77,7 @@ def test_the_ranks_agree_with_one_process_over_all_their_batches():
         return used, stats(nets[r]), rank.ledger.summary(by_op=True)
     results = run_ranks(2, 2, work)
     assert {used for used, _, _ in results} == {sum(counts)}
+    assert all(int(net[i].num_batches_tracked) == sum(counts) for net in nets for i in (1, 5))
     reference = by_hand(two_norms(), [b for rank_data in data for b in rank_data])
     for _, got, ledger in results:
         for (mean, var), (m0, v0), (want_mean, want_var) in zip(got, results[0][1], reference):
@@ -137,6 +138,7 @@ def test_train_evaluates_recalibrated_and_trains_the_same(tmp_path, capsys):
     on = [r for r in rounds["on"] if r.get("test_acc") is not None]
     assert len(on) == len(off) >= 3 and all("test_acc_no_recal" not in r for r in off)
     assert [r["test_acc_no_recal"] for r in on] == [r["test_acc"] for r in off]
+    assert any(r["test_acc"] != r["test_acc_no_recal"] for r in on)   # scored after the recalibration
     assert [r.get("train_loss") for r in on] == [r.get("train_loss") for r in off]
     final = {name: torch.load(tmp_path / name / "final_model.pt")["state_dict"] for name in ("off", "on")}
     bn = [k for k in final["on"] if k.endswith("running_mean")]

@@ -306,10 +306,12 @@ def evaluate_recalibrated(model: torch.nn.Module, test_loader: ShardedLoader, tr
         return evaluate(model, test_loader, control)
     came = evaluate(model, test_loader, control)
     saved = None if keep else snapshot_buffers(model)
-    recalibrate_batchnorm(model, train_loader.batches(), num_batches, world)
-    result = evaluate(model, test_loader, control)
-    if saved is not None:
-        restore_buffers(model, saved)
+    try:
+        recalibrate_batchnorm(model, train_loader.batches(), num_batches, world)
+        result = evaluate(model, test_loader, control)
+    finally:   # training goes on with the round's statistics, even after an error here
+        if saved is not None:
+            restore_buffers(model, saved)
     return dict(result, test_acc_no_recal=came["test_acc"], test_loss_no_recal=came["test_loss"])
 
 
@@ -545,8 +547,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
 
     opt.finalize()
     # the final model keeps statistics measured for its own weights, over a whole epoch: 8 batches a rank cost the
-    # end 0.07-0.14 points on digits and 0.14 on ResNet-18 (benchmarks/README, "The consensus model's BatchNorm
-    # statistics"), an epoch nothing
+    # end 0.07-0.14 points on digits and 0.14-0.56 on ResNet-18 (benchmarks/README, "The consensus model's
+    # BatchNorm statistics"), an epoch nothing
     final = scored(steps_per_epoch, keep=True)
     stats = opt.stats()
     totals = _job_totals(control, stats)

@@ -70,7 +70,7 @@ def inject(fault: str, at_round: int, out: str) -> None:
 
         def poisoned(self, start=0):
             for x, y in batches(self, start):
-                if self.train:
+                if self.train and torch.is_grad_enabled():   # a training step's batch, not BatchNorm recalibration's
                     state["step"] += 1
                     if state["step"] == state["poison_at"]:
                         mark()
