@@ -24,7 +24,8 @@ from torch.optim.swa_utils import update_bn
 from .dist import comm, runtime
 
 
-def _tracked(model: torch.nn.Module) -> List[torch.nn.modules.batchnorm._BatchNorm]:
+def tracked_batchnorms(model: torch.nn.Module) -> List[torch.nn.modules.batchnorm._BatchNorm]:
+    """The BatchNorm layers that keep running statistics: what :func:`recalibrate_batchnorm` measures."""
     return [m for m in model.modules()
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
 
@@ -52,7 +53,7 @@ def recalibrate_batchnorm(model: torch.nn.Module, batches: Iterable, num_batches
         if world != "auto":
             raise ValueError(f"world must be a communicator, 'auto' or None, got {world!r}")
         world = comm.groups().world if runtime.is_initialized() else None
-    layers = _tracked(model)
+    layers = tracked_batchnorms(model)
     if not layers:
         return 0
     taken = []   # update_bn takes every batch it is given: count them as they pass
@@ -90,4 +91,4 @@ def restore_buffers(model: torch.nn.Module, saved: List[torch.Tensor]) -> None:
             b.copy_(old)
 
 
-__all__ = ["recalibrate_batchnorm", "restore_buffers", "snapshot_buffers"]
+__all__ = ["recalibrate_batchnorm", "restore_buffers", "snapshot_buffers", "tracked_batchnorms"]

@@ -9,7 +9,7 @@ import torch
 
 from prunex_hvd.app import cli
 from prunex_hvd.batchnorm import recalibrate_batchnorm, restore_buffers, snapshot_buffers
-from threaded import RankFailed, run_ranks
+from threaded import run_ranks
 
 
 def two_norms() -> torch.nn.Module:

@@ -30,9 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..dist import comm
-from ..batchnorm import recalibrate_batchnorm, restore_buffers, snapshot_buffers
-from ..dist import runtime
+from ..batchnorm import recalibrate_batchnorm, restore_buffers, snapshot_buffers, tracked_batchnorms
+from ..dist import comm, runtime
 from ..dist.agreement import call_agreed
 from ..engine.config import ConsensusConfig
 from . import checkpoint, methods, models
@@ -420,9 +419,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     opt = call_agreed(control, methods.wrap, cfg.method, base, model, cfg,
                       sample_batch=lambda: next(iter(train_loader.batches())))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(cfg, steps_per_epoch))
-    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-                 for m in model.modules())
-    bn_world = comm.groups().world if cfg.bn_recalibrate and has_bn else None   # collective: built on every rank
+    bn_world = comm.groups().world if cfg.bn_recalibrate and tracked_batchnorms(model) else None   # collective
 
     def scored(num_batches: int, keep: bool = False) -> Dict[str, float]:
         return evaluate_recalibrated(model, test_loader, train_loader, num_batches, bn_world, control, keep)
