@@ -224,6 +224,8 @@ def run_one(task: str, variant: str, seed: int, args) -> dict:
                               stderr=subprocess.STDOUT, timeout=args.run_timeout)
     rec = {"task": task, "variant": variant, "seed": seed, "flags": VARIANTS[variant], "rc": proc.returncode,
            "seconds": round(time.perf_counter() - t0, 1)}
+    if args.extra:
+        rec["extra"] = args.extra   # --extra's flags, after the variant's (argparse keeps the last value)
     if proc.returncode == 0:
         rec.update(read_run(run_dir, spec["targets"]))
     with open(os.path.join(args.out, "runs.jsonl"), "a") as f:   # kept as they finish: a cut-off sweep keeps them
@@ -234,16 +236,19 @@ def run_one(task: str, variant: str, seed: int, args) -> dict:
 
 
 def summarize(runs: List[dict]) -> List[dict]:
+    """One row per task, variant and --extra, over its seeds."""
     out = []
-    for key in sorted({(r["task"], r["variant"]) for r in runs}, key=lambda k: (k[0], list(VARIANTS).index(k[1]))):
-        rs = [r for r in runs if (r["task"], r["variant"]) == key and r["rc"] == 0]
+    keys = {(r["task"], r["variant"], r.get("extra", "")) for r in runs}
+    for key in sorted(keys, key=lambda k: (k[0], list(VARIANTS).index(k[1]), k[2])):
+        rs = [r for r in runs if (r["task"], r["variant"], r.get("extra", "")) == key and r["rc"] == 0]
+        extra = {"extra": key[2]} if key[2] else {}
         if not rs:
-            out.append({"task": key[0], "variant": key[1], "runs": 0})
+            out.append({"task": key[0], "variant": key[1], **extra, "runs": 0})
             continue
         targets = TASKS[key[0]]["targets"]
         mean = lambda xs: None if any(x is None for x in xs) else sum(xs) / len(xs)  # noqa: E731
         n = min(len(r["curve"]) for r in rs)
-        out.append({"task": key[0], "variant": key[1], "runs": len(rs),
+        out.append({"task": key[0], "variant": key[1], **extra, "runs": len(rs),
                     "final_acc": mean([r["final_acc"] for r in rs]),
                     "epochs_to": {str(t): mean([r["epochs_to"][str(t)] for r in rs]) for t in targets},
                     "reached": {str(t): sum(r["epochs_to"][str(t)] is not None for r in rs) for t in targets},

@@ -175,7 +175,8 @@ def learning(d: dict, out: str, md: List[str], variants=None) -> List[str]:
         by_variant: Dict[str, List[dict]] = {}
         for r in runs:
             if r["task"] == task:
-                by_variant.setdefault(r["variant"], []).append(r)
+                label = f'{r["variant"]} {r["extra"]}' if r.get("extra") else r["variant"]   # bench --extra
+                by_variant.setdefault(label, []).append(r)
         fig, (ax, tail) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
         tail_low = 100.0
         md += [f"## learning: {task}", "", "| variant | seeds | final % | epochs to " +

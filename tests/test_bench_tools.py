@@ -233,3 +233,22 @@ def test_the_learning_report_draws_each_task_and_tables_the_means(tmp_path):
     assert report.main([str(tmp_path / "l.json"), "--out", str(tmp_path / "r"), "--variants", "a"]) == 0
     md = (tmp_path / "r" / "bench.md").read_text()
     assert "| a | 2 | 93.00 | 1.5 / 2.0 (1 of 2) |" in md and "| b |" not in md
+    d["runs"].append(dict(run("a", 0, 0.8, None), extra="--warmup-epochs 0"))   # bench_learning --extra: its own row
+    (tmp_path / "l.json").write_text(json.dumps(d))
+    assert report.main([str(tmp_path / "l.json"), "--out", str(tmp_path / "r"), "--variants", "a"]) == 0
+    md = (tmp_path / "r" / "bench.md").read_text()
+    assert "| a | 2 | 93.00 |" in md and "| a --warmup-epochs 0 | 1 | 80.00 | never / never |" in md
+
+
+def test_bench_learning_summarizes_each_extra_apart():
+    """bench_learning's summary: one row per task, variant and --extra flags (merged sweeps stay apart)."""
+    learning = _load("bench_learning")
+
+    def run(seed, final, extra=None):
+        rec = {"task": "digits", "variant": "localsgd", "seed": seed, "rc": 0, "final_acc": final,
+               "curve": [[1.0, final]], "epochs_to": {"0.9": 1.0, "0.95": None, "0.97": None}, "density": 1.0,
+               "inter_bytes": 10}
+        return dict(rec, extra=extra) if extra else rec
+    rows = learning.summarize([run(0, 0.9), run(1, 0.96), run(0, 0.8, "--warmup-epochs 2")])
+    assert [(r.get("extra"), r["runs"], round(r["final_acc"], 4)) for r in rows] == \
+        [(None, 2, 0.93), ("--warmup-epochs 2", 1, 0.8)]
