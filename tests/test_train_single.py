@@ -91,6 +91,19 @@ def test_an_existing_run_is_not_overwritten(tmp_path, capsys):
     assert (out / "metrics.jsonl").read_text() == '{"event": "round"}\n'
 
 
+def test_a_diverging_lr_is_said_once(tmp_path, capsys):
+    """A training loss above DIVERGING_LOSS x ln(classes) is said once, on rank 0, with the lr and the warm-up
+    flag; a sound lr says nothing (lr 10 on this task: 17 in epoch 1, 2.7 in epoch 2)."""
+    args = BASE + ["--dataset", "synthetic", "--image-size", "8", "--batch-size", "16", "--epochs", "2",
+                   "--method", "dense"]
+    assert cli.main(args + ["--lr", "10", "--out", str(tmp_path / "hot")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("diverges") == 1 and "epoch 1.00: training loss 17" in err and "lr 10 diverges" in err
+    assert "(--warmup-epochs)" in err
+    assert cli.main(args + ["--out", str(tmp_path / "sound")]) == 0
+    assert "diverges" not in capsys.readouterr().err
+
+
 def test_coupled_channels_from_the_command_line(tmp_path, capsys):
     """--coupled: inside each residual block the first conv loses the filters whose channels the second
     conv dropped, so the finalized model is smaller than per-layer channel:0.5 would make it."""

@@ -73,6 +73,11 @@ AUTO_RELEASE = 1 / 3  # --rho2-release-round auto: ρ2 balanced for the first th
 AUTO_WARMUP_EPOCHS = 2.0
 AUTO_WARMUP_MAX_FRACTION = 1 / 8
 WARMED_UP_METHODS = ("prunex", "prunex-flat")
+# A training loss above this many times a uniform guess's, ln(classes), means the lr diverges on each worker's batch:
+# ResNet-18 on digits at 8×8, lr 0.05, a node's batch of 32, no warm-up: 3.9-5.0 in the first rounds for PruneX and
+# hierarchical local SGD (ln 10 = 2.30), at most 3.0 with the two-epoch warm-up, 2.5-2.9 for PacTrain's batch of 64
+# (benchmarks/README, "The warm-up a task needs"). Said once, on rank 0.
+DIVERGING_LOSS = 1.5
 # --rho-max auto: residual balancing stops raising a ρ where a round's local steps, under the proximal term alone,
 # would pull θ back this many times its distance to the anchor. With heavy-ball momentum β a steady force F moves θ
 # by lr·F/(1 − β) a step, so H steps at ρ pull back H·lr·ρ/(1 − β) of the distance: ρ_max = pull·(1 − β)/(lr·H),
@@ -495,6 +500,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     rounds_seen = rounds_at_start = opt.rounds_done()
     per_epoch = opt.records_per_epoch   # methods that talk every step log once an epoch
     stopped = None
+    diverging = DIVERGING_LOSS * math.log(data.num_classes)
+    warned_diverging = False
     while step < total_steps and stopped is None:
         epoch, start_batch = divmod(step, steps_per_epoch)
         train_loader.set_epoch(epoch)
@@ -519,6 +526,12 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                 with_eval = rounds_seen % cfg.eval_every == 0 or step == total_steps
                 rec = record(stats, running, with_eval)
                 running = zero()
+                if is_main and not warned_diverging and not rec["train_loss"] <= diverging:   # NaN too
+                    warned_diverging = True
+                    logging.getLogger("prunex_hvd").warning(
+                        "epoch %.2f: training loss %.3g, above %g x a uniform guess's (ln %d): the lr %g diverges on "
+                        "each worker's batch; warm it up (--warmup-epochs) or lower it", rec["epoch"],
+                        rec["train_loss"], DIVERGING_LOSS, data.num_classes, cfg.lr)
                 last.update({k: rec[k] for k in ("test_acc", "inter_bytes", "density") if rec.get(k) is not None})
                 if cfg.checkpoint_every and rounds_seen and rounds_seen % cfg.checkpoint_every == 0:
                     save_checkpoint(step)
