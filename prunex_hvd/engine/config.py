@@ -56,7 +56,10 @@ class ConsensusConfig:
       98.89% (10; 90% after 5.5 epochs against 6.3, as PacTrain's 5.4): digits does not need it, ResNet-18 does.
       The fourteenth sweep: ResNet-18 97.64% without against 98.96% (4 seeds); digits without it and with the
       kept fraction ramped over 3 rounds, every method's BatchNorm statistics recalibrated, within 2.4 points of
-      local SGD at every epoch, 99.34% (8 seeds).
+      local SGD at every epoch, 99.34% (8 seeds). Why (fifteenth sweep): at lr 0.05 a node's batch of 32 diverges
+      on ResNet-18 without it (training loss 3.9–5.0 against a guess's 2.30) for hierarchical local SGD too, which
+      given the same warm-up ends 99.03% instead of 97.99%; half an epoch of warm-up is not enough (97.99%). The
+      trainer warns when a round's loss says the lr diverges.
     * ``restart`` — where θ starts each round's local steps: ``"global"`` (the default) sets every rank's θ to
       the new consensus z after each round, as local SGD restarts from the average; ``"node"`` to its node's
       z_i; ``"none"`` leaves θ where its steps took it (the paper's round). Only the start of ADMM's inexact
