@@ -1,6 +1,7 @@
 """`prunex-hvd train` in one process: the CIFAR-10 path end to end on a small file in the real format, and
 bad input that must end in a clear error (exit status 2), not a traceback."""
 import json
+import math
 import pickle
 import re
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from prunex_hvd.app import cli
+from prunex_hvd.app.train import DIVERGING_LOSS, loss_diverges
 
 
 pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
@@ -92,16 +94,26 @@ def test_an_existing_run_is_not_overwritten(tmp_path, capsys):
 
 
 def test_a_diverging_lr_is_said_once(tmp_path, capsys):
-    """A training loss above DIVERGING_LOSS x ln(classes) is said once, on rank 0, with the lr and the warm-up
-    flag; a sound lr says nothing (lr 10 on this task: 17 in epoch 1, 2.7 in epoch 2)."""
+    """A training loss above DIVERGING_LOSS x ln(classes) is said once, on rank 0, with the lr and the warm-up;
+    a sound lr says nothing. lr 30 on this task: every epoch's loss far above, so once means once."""
     args = BASE + ["--dataset", "synthetic", "--image-size", "8", "--batch-size", "16", "--epochs", "2",
                    "--method", "dense"]
-    assert cli.main(args + ["--lr", "10", "--out", str(tmp_path / "hot")]) == 0
+    assert cli.main(args + ["--lr", "30", "--out", str(tmp_path / "hot")]) == 0
     err = capsys.readouterr().err
-    assert err.count("diverges") == 1 and "epoch 1.00: training loss 17" in err and "lr 10 diverges" in err
-    assert "(--warmup-epochs)" in err
+    losses = [json.loads(line)["train_loss"] for line in (tmp_path / "hot" / "metrics.jsonl").read_text().split("\n")
+              if '"event": "round"' in line]
+    assert sum(loss_diverges(v, 10) for v in losses) >= 2
+    assert err.count("diverges") == 1 and re.search(r"epoch 1\.00: training loss \S+, above 1\.5 x", err)
+    assert "peak 30, --warmup-epochs 0)" in err
     assert cli.main(args + ["--out", str(tmp_path / "sound")]) == 0
     assert "diverges" not in capsys.readouterr().err
+
+
+def test_a_loss_diverges_above_the_limit_or_when_not_finite():
+    limit = DIVERGING_LOSS * math.log(10)
+    assert [loss_diverges(v, 10) for v in (0.1, limit, limit * 1.01, float("inf"), float("nan"))] == \
+        [False, False, True, True, True]
+    assert loss_diverges(2.0, 2) and not loss_diverges(2.0, 10)   # ln 2 x 1.5 = 1.04
 
 
 def test_coupled_channels_from_the_command_line(tmp_path, capsys):
