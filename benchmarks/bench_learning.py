@@ -238,9 +238,9 @@ def run_one(task: str, variant: str, seed: int, args) -> dict:
 def summarize(runs: List[dict]) -> List[dict]:
     """One row per task, variant and --extra, over its seeds."""
     out = []
-    keys = {(r["task"], r["variant"], r.get("extra", "")) for r in runs}
-    for key in sorted(keys, key=lambda k: (k[0], list(VARIANTS).index(k[1]), k[2])):
-        rs = [r for r in runs if (r["task"], r["variant"], r.get("extra", "")) == key and r["rc"] == 0]
+    row = lambda r: (r["task"], r["variant"], r.get("extra", ""))  # noqa: E731
+    for key in sorted({row(r) for r in runs}, key=lambda k: (k[0], list(VARIANTS).index(k[1]), k[2])):
+        rs = [r for r in runs if row(r) == key and r["rc"] == 0]
         extra = {"extra": key[2]} if key[2] else {}
         if not rs:
             out.append({"task": key[0], "variant": key[1], **extra, "runs": 0})

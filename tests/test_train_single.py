@@ -11,6 +11,7 @@ import torch
 
 from prunex_hvd.app import cli
 from prunex_hvd.app.train import DIVERGING_LOSS, loss_diverges
+from training_job import metrics
 
 
 pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
@@ -100,8 +101,7 @@ def test_a_diverging_lr_is_said_once(tmp_path, capsys):
                    "--method", "dense"]
     assert cli.main(args + ["--lr", "30", "--out", str(tmp_path / "hot")]) == 0
     err = capsys.readouterr().err
-    losses = [json.loads(line)["train_loss"] for line in (tmp_path / "hot" / "metrics.jsonl").read_text().split("\n")
-              if '"event": "round"' in line]
+    losses = [r["train_loss"] for r in metrics(tmp_path / "hot") if r["event"] == "round"]
     assert sum(loss_diverges(v, 10) for v in losses) >= 2
     assert err.count("diverges") == 1 and re.search(r"epoch 1\.00: training loss \S+, above 1\.5 x", err)
     assert "peak 30, --warmup-epochs 0)" in err

@@ -82,12 +82,6 @@ WARMED_UP_METHODS = ("prunex", "prunex-flat")
 # hierarchical local SGD (ln 10 = 2.30), at most 3.2 with the two-epoch warm-up (8% under the 3.45 this sets),
 # 2.5-2.9 for PacTrain's batch of 64 (benchmarks/README, "The warm-up a task needs"). Said once a process, on rank 0.
 DIVERGING_LOSS = 1.5
-
-
-def loss_diverges(loss: float, num_classes: int) -> bool:
-    """Whether a round's mean training loss says the lr diverges: above DIVERGING_LOSS × ln(classes), or not
-    finite."""
-    return not loss <= DIVERGING_LOSS * math.log(num_classes)   # NaN compares False
 # --rho-max auto: residual balancing stops raising a ρ where a round's local steps, under the proximal term alone,
 # would pull θ back this many times its distance to the anchor. With heavy-ball momentum β a steady force F moves θ
 # by lr·F/(1 − β) a step, so H steps at ρ pull back H·lr·ρ/(1 − β) of the distance: ρ_max = pull·(1 − β)/(lr·H),
@@ -276,6 +270,12 @@ class TrainConfig:
         if self.consensus.coupled and self.method not in ("prunex", "prunex-flat") and not structured_pactrain:
             raise ValueError(f"--coupled is a PruneX option (prunex, prunex-flat; pactrain with --pactrain-structure "
                              f"structured), not one of {self.method!r}")
+
+
+def loss_diverges(loss: float, num_classes: int) -> bool:
+    """Whether a round's mean training loss says the lr diverges: above DIVERGING_LOSS × ln(classes), or not
+    finite."""
+    return not loss <= DIVERGING_LOSS * math.log(num_classes)   # NaN compares False
 
 
 def _lr_factor(cfg: TrainConfig, steps_per_epoch: int):
