@@ -18,7 +18,7 @@ from prunex_hvd.engine.buckets import BucketLayout
 from prunex_hvd.engine.config import ConsensusConfig, Structure
 from prunex_hvd.engine.hsadmm import HSADMM
 from prunex_hvd.engine.sparsity import native
-from reference import released_rho
+from reference import reference_masks, released_rho
 from threaded import RankFailed, run_ranks
 
 LAYOUTS = [(1, 1), (1, 3), (3, 1), (2, 2), (2, 3)]
@@ -67,7 +67,12 @@ LEVERS = {"paper-round": dict(restart="none"),   # the default restarts: this ke
           # the retraining phase as plain averaging: masks frozen after round 2, rounds 3-4 average
           "average": dict(retrain="average", weight_decay_z=0.0, freeze_round=2),
           "average-recipe": dict(retrain="average", weight_decay_z=0.0, freeze_round=2, node_sync=True,
-                                 payload_dtype="bf16", relaxation=1.3, acceleration="nesterov")}
+                                 payload_dtype="bf16", relaxation=1.3, acceleration="nesterov"),
+          # the masks chosen at the start from θ0 (freeze_round=0): every round on frozen masks, from the first;
+          # on the recipe (one budget across layers), and per layer with θ left where its steps take it
+          "start-frozen": dict(restart="global", node_sync=True, payload_dtype="bf16", channel_budget="global",
+                               freeze_round=0),
+          "start-frozen-paper": dict(restart="none", freeze_round=0, acceleration="nesterov")}
 LEVER_RUNS = [((2, 2), "channel", "paper-round"), ((2, 3), "mixed", "paper-round"), ((2, 3), "channel", "restart-node"),
               ((2, 2), "mixed", "relaxed"), ((2, 3), "channel", "all"), ((1, 3), "channel", "all"),
               ((2, 2), "coupled", "all"), ((2, 2), "streams", "all"), ((2, 2), "channel", "bf16"),
@@ -79,7 +84,9 @@ LEVER_RUNS = [((2, 2), "channel", "paper-round"), ((2, 3), "mixed", "paper-round
               ((2, 2), "channel", "fast-admm"), ((3, 1), "mixed", "fast-admm"), ((1, 3), "channel", "fast-admm"),
               ((2, 3), "coupled", "fast-admm-recipe"), ((2, 2), "mixed", "nesterov-relaxed"),
               ((2, 3), "channel", "nesterov-bf16"), ((2, 2), "channel", "average"), ((2, 3), "mixed", "average"),
-              ((1, 3), "channel", "average"), ((2, 3), "coupled", "average-recipe")]
+              ((1, 3), "channel", "average"), ((2, 3), "coupled", "average-recipe"),
+              ((2, 2), "channel", "start-frozen"), ((2, 3), "channel", "start-frozen"),
+              ((2, 3), "streams", "start-frozen-paper"), ((2, 2), "mixed", "start-frozen-paper")]
 
 
 def train_on_threads(num_nodes, local_size, kind, sparsity, coupled, nodes_per_rack=None, **knobs):
@@ -87,6 +94,7 @@ def train_on_threads(num_nodes, local_size, kind, sparsity, coupled, nodes_per_r
     (``nodes_per_rack``: in racks)."""
     size = num_nodes * local_size
     models = [cases.make_model(kind, r) for r in range(size)]   # here: torch's global RNG is not thread-safe
+    theta0 = cases.model_state(models[0])   # what the engines broadcast
     config = ConsensusConfig(sparsity=sparsity, coupled=coupled, **dict(cases.SETTINGS, **knobs))
     structure = Structure.resolve(models[0], config)
     native.module()   # load the shrink kernel before the ranks race to its first use
@@ -114,7 +122,7 @@ def train_on_threads(num_nodes, local_size, kind, sparsity, coupled, nodes_per_r
         eng.finalize()
         result = cases.rank_result(eng, model, rank.topo, reports, cases.engine_stats(eng),
                                    rank.ledger.summary(by_op=True))
-        return {"engine": eng, "start": start, "before": befores, "after": afters,
+        return {"engine": eng, "theta0": theta0, "start": start, "before": befores, "after": afters,
                 "final": cases.model_state(model), "result": json.loads(json.dumps(result))}   # as a worker sends it
     return cluster, run_ranks(num_nodes, local_size, rank_run, cluster=cluster), structure.specs
 
@@ -153,6 +161,8 @@ def test_rounds_match_the_reference(layout, case, levers):
     if levers == "global-budget":   # not the per-layer counts: conv 0 (larger weights) keeps 3 of 3
         support = runs[0]["result"]["final_support"]
         assert support["0.weight"][1] == 3 and support["3.weight"][1] < 4, support
+    if levers and levers.startswith("start-frozen"):
+        check_frozen_at_start(runs)
     if levers and levers.startswith("average"):   # the rounds after the freeze averaged: no penalty, no dual left
         last = runs[0]["after"][-1]
         assert last["frozen"] and not any(last["rho1"].values()) and not any(last["rho2"].values())
@@ -178,6 +188,30 @@ def check_against_the_reference(cluster, runs, want_specs, want_pairs, want_stre
                         payload_bytes=eng.payload_dtype.itemsize, freeze_round=eng.config.freeze_round,
                         budget_floor=eng.config.budget_floor if eng.config.channel_budget == "global" else None)
     return ref_rounds
+
+
+def check_frozen_at_start(runs):
+    """``freeze_round=0``: every engine started frozen on the reference projection's support of the broadcast θ0
+    (the same on every rank, chosen with no collective), at z = z_i = θ = Π_S(θ0), the duals 0; round 1 then
+    ran on those masks (the reference checked it)."""
+    eng = runs[0]["engine"]
+    c = eng.config
+    specs = {e.name: e.spec for e in eng.structured}
+    theta0 = {n: runs[0]["theta0"][n] for n in runs[0]["start"] if n in {e.name for e in eng.entries}}
+    masks = reference_masks({n: theta0[n] for n in specs}, specs, eng.couplings, eng.streams, eng.heads,
+                            c.budget_floor if c.channel_budget == "global" else None)
+    assert any(not bool(rows.all()) or not bool(cols.all()) for rows, cols in masks.values())
+    for run in runs:
+        first = run["before"][0]   # after round 1's local steps: the masks and the consensus as they started
+        assert first["frozen"]
+        for name, w in theta0.items():
+            want = w * torch.outer(*masks[name]).reshape(w.shape) if name in specs else w
+            assert torch.equal(run["start"][name], want.to(run["start"][name].dtype)), name
+            for key in ("z", "z_i"):
+                assert torch.equal(first[key][name], want.to(first[key][name].dtype)), (key, name)
+            assert not first["v"][name].any() and not first["u"][name].any(), name
+            if name in specs:
+                assert all(torch.equal(a, b) for a, b in zip(first["masks"][name], masks[name])), name
 
 
 def assert_nodes_chose_apart(ref_rounds, eng):
@@ -237,7 +271,11 @@ OVERLAP_RUNS = {"2x2-channel": ((2, 2), "channel", {}),
                 # ... retraining by averaging: frozen after round 2, rounds 3-4 overlapped averages
                 "2x3-recipe-average": ((2, 3), "mixed", dict(node_sync=True, payload_dtype="bf16", retrain="average",
                                                               keep_ramp_rounds=2, weight_decay_z=0.0, freeze_round=2,
-                                                              overlap_after_freeze=True, overlap_steps=1))}
+                                                              overlap_after_freeze=True, overlap_steps=1)),
+                # ... masks chosen at the start: every round overlapped from the first
+                "2x2-recipe-frozen-at-start": ((2, 2), "channel", dict(node_sync=True, payload_dtype="bf16",
+                                                                        channel_budget="global", freeze_round=0,
+                                                                        overlap_after_freeze=True, overlap_steps=1))}
 
 
 @pytest.mark.parametrize("run", list(OVERLAP_RUNS))
@@ -254,7 +292,8 @@ def test_overlapped_rounds_match_the_delayed_reference(run):
     results = [run["result"] for run in runs]
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
     cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
-                        payload_bytes=eng.payload_dtype.itemsize, freeze_round=eng.config.freeze_round)
+                        payload_bytes=eng.payload_dtype.itemsize, freeze_round=eng.config.freeze_round,
+                        budget_floor=eng.config.budget_floor if eng.config.channel_budget == "global" else None)
     overlapped = [True] * cases.ROUNDS if not knobs.get("overlap_after_freeze") else \
         [r["frozen_before"] for r in ref_rounds]   # the rounds after freeze_round
     assert [r["in_flight"] for r in runs[0]["reports"]] == overlapped
@@ -455,16 +494,20 @@ def test_an_overlapped_round_refused_at_its_fold_leaves_the_previous_state():
             assert torch.equal(rows, after["masks"][name][0]) and torch.equal(cols, after["masks"][name][1])
 
 
-def resume_on_threads(config, num_nodes, local_size, saved=None, cluster=None, take_at=2 * cases.LOCAL_STEPS):
+def resume_on_threads(config, num_nodes, local_size, saved=None, cluster=None, take_at=2 * cases.LOCAL_STEPS,
+                      model_first=False):
     """Every rank trains the chain model for ``cases.ROUNDS`` rounds (:func:`cases.run_with_snapshot`), taking a
     snapshot at step ``take_at`` (default: after round 2; None: none), or resuming there from ``saved`` (the
-    snapshots of such a run). Returns each rank's (final model state, bytes, snapshot)."""
+    snapshots of such a run; ``model_first``: the model loaded before the engine is built, as a script that loads
+    its checkpoint and then wraps the optimizer does). Returns each rank's (final model state, bytes, snapshot)."""
     total = cases.ROUNDS * cases.LOCAL_STEPS
     models = [cases.make_model("chain", r) for r in range(num_nodes * local_size)]
     structure = Structure.resolve(models[0], config)
 
     def rank_run(rank):
         model = models[rank.topo.rank]
+        if model_first:
+            model.load_state_dict(saved[rank.topo.rank]["model"])
         eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
         return cases.run_with_snapshot(eng, model, cases.sgd(model), rank.topo.rank, total, take_at,
                                        None if saved is None else saved[rank.topo.rank])
@@ -518,6 +561,22 @@ def test_accelerated_state_dict_resumes_bit_for_bit_and_fits_only_its_accelerati
         with pytest.raises(RankFailed, match=f"saved with acceleration='{saved_with}', resumed with "
                                              f"'{resumed_with}'"):
             job(resumed_with, saved=[r[2] for r in state])
+
+
+@pytest.mark.parametrize("model_first", [False, True], ids=["engine-first", "model-first"])
+def test_masks_frozen_at_the_start_resume_bit_for_bit(model_first):
+    """freeze_round=0 (the recipe's other knobs, 2×2): state_dict() after round 2 of 4, loaded into fresh engines,
+    ends bit for bit where the uninterrupted run ends, whether the engine is built on a fresh model (its start
+    masks chosen again) or on the model already loaded (chosen from trained weights, then replaced by the
+    saved ones)."""
+    native.module()
+    config = ConsensusConfig(sparsity="channel:0.5", node_sync=True, payload_dtype="bf16", channel_budget="global",
+                             **dict(cases.SETTINGS, freeze_round=0))
+    whole = resume_on_threads(config, 2, 2)
+    resumed = resume_on_threads(config, 2, 2, saved=[r[2] for r in whole], model_first=model_first)
+    for r in range(4):
+        assert all(torch.equal(whole[r][0][k], resumed[r][0][k]) for k in whole[r][0]), f"rank {r}"
+    assert whole[0][2]["engine"]["frozen"] and whole[0][2]["engine"]["round"] == 2
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])

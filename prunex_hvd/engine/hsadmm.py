@@ -233,6 +233,8 @@ class HSADMM:
         self._in_flight: Optional[_InFlight] = None
         self.exchange_wait_s = 0.0   # time ranks waited on the consensus exchange, all rounds
         self._refresh_prox()
+        if config.freeze_round == 0:   # masks chosen at the start: every round trains the pruned model
+            self._freeze_at_start()
 
     # -- set-up -----------------------------------------------------------------------------------------
     def _check_rack_tier(self) -> None:
@@ -939,8 +941,26 @@ class HSADMM:
                         dual.zero_()
         self._refresh_prox()   # the shift cut to the structure (and none with retrain="average")
         if self.topo.rank == 0:
-            log.info("round %d: masks frozen, density %.3f of the structured weights%s", self.round, self.density(),
+            log.info("%s, density %.3f of the structured weights%s",
+                     f"round {self.round}: masks frozen" if self.round else "masks chosen from the start weights and "
+                     "frozen before the first step (freeze_round=0)", self.density(),
                      "; from now on the rounds average (retrain='average')" if self.averaging else "")
+
+    def _freeze_at_start(self) -> None:
+        """``freeze_round=0``: the masks are Π_S's support on the start point θ0, the same on every rank after the
+        broadcast (so chosen with no collective), frozen before any step; z = z_i = θ = Π_S(θ0), the duals at 0,
+        ρ as configured. The rounds are then those after a freeze from the first (docs/algorithm.md, "Masks
+        chosen at the start")."""
+        self._freeze()
+        with torch.no_grad():
+            for e in self.structured:
+                e.z_i = e.z.clone()
+                if e.z_hat is not None:
+                    e.z_hat, e.z_prev = e.z.clone(), e.z.clone()
+                if self.config.masked_retrain or self.config.restart != "none":
+                    e.param.copy_(e.z)
+        self._refresh_prox()
+        self._set_compact_compute()
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _nonfinite(self) -> List[bool]:
