@@ -124,6 +124,10 @@ VARIANTS: Dict[str, str] = {
     # one channel budget across the layers (channel_budget="global"): the recipe since the twelfth sweep; ... with
     # ρ2 released after a third of the rounds
     "prunex-global-budget": f"{FREEZE1} --channel-budget global",
+    # ... with the masks chosen from the initial weights before the first step (freeze_round=0): the recipe since
+    # the sixteenth sweep, which ran it as prunex-global-budget --extra '--freeze-round 0'
+    "prunex-start-frozen": "--method prunex --sparsity channel:0.5 --freeze-round 0 --keep-ramp-rounds 0 "
+                           "--channel-budget global",
     "prunex-global-release-rho2": f"{FREEZE1} --channel-budget global --rho2-release-round auto",
     # ... with ρ2 held where it starts (residual balancing of ρ1 only)
     "prunex-global-hold-rho2": f"{FREEZE1} --channel-budget global --no-balance-rho2",

@@ -27,7 +27,8 @@ KNOBS = ConsensusConfig.knob_names()
     ({"rack_tier": "yes"}, r"rack_tier must be True or False, got 'yes'"),
     ({"coupled": "yes"}, r"coupled must be False, True \(= 'pairs'\) or 'streams'"),
     ({"weight_decay_z": -1.0}, r"weight_decay_z must be >= 0"),
-    ({"freeze_round": 0}, r"freeze_round must be None or an integer >= 1"),
+    ({"freeze_round": -1}, r"freeze_round must be None or an integer >= 0, got -1"),
+    ({"freeze_round": 0, "keep_ramp_rounds": 2}, r"freeze_round=0 chooses the masks at the start.*keep_ramp_rounds=2"),
     ({"freeze_patience": 0}, r"freeze_patience must be an integer >= 1"),
     ({"bucket_mb": 0}, r"bucket_mb must be a finite number > 0"),
     ({"backend": "tcp"}, r"unknown backend 'tcp'"),
@@ -125,12 +126,15 @@ def test_the_training_config_embeds_the_consensus_and_reads_flat_names():
     flat = cfg.as_dict()
     assert "consensus" not in flat and {k: flat[k] for k in KNOBS} == cfg.consensus.knobs()
     assert TrainConfig.from_flat(**flat) == cfg   # as_dict and from_flat are each other's inverse
-    default = TrainConfig.from_flat(local_steps=None, freeze_round=1, keep_ramp_rounds=0)   # the CLI's
+    default = TrainConfig.from_flat(local_steps=None, freeze_round=0, keep_ramp_rounds=0)   # the CLI's
     assert default == TrainConfig() and default.consensus == RECIPE and RECIPE.keep_ramp_rounds == 0
-    assert (default.freeze_fraction, default.ramp_fraction, RECIPE.freeze_round) == (None, None, 1)
+    assert (default.freeze_fraction, default.ramp_fraction, RECIPE.freeze_round) == (None, None, 0)
     assert TrainConfig.from_flat(freeze_round="auto").freeze_fraction == AUTO_FREEZE
-    assert TrainConfig.from_flat(keep_ramp_rounds="auto").ramp_fraction == AUTO_RAMP
-    assert TrainConfig.from_flat(keep_ramp_rounds=5).ramp_fraction is None   # a number asked for counts
+    assert TrainConfig.from_flat(keep_ramp_rounds="auto", freeze_round=1).ramp_fraction == AUTO_RAMP
+    assert TrainConfig.from_flat(keep_ramp_rounds=5, freeze_round=1).ramp_fraction is None   # a number asked
+    # for counts; a ramp chooses the masks over its rounds, which the recipe's start does not have
+    with pytest.raises(ValueError, match="freeze_round=0 chooses the masks at the start.*keep_ramp_rounds=5"):
+        TrainConfig.from_flat(keep_ramp_rounds=5)
     with pytest.raises(TypeError, match="unexpected keyword argument 'rho'"):   # neither a knob nor a field
         TrainConfig.from_flat(rho=0.1)
 
@@ -138,11 +142,11 @@ def test_the_training_config_embeds_the_consensus_and_reads_flat_names():
 @pytest.mark.parametrize("epochs,steps_per_epoch,local_epochs", [(10, 7, 1.0), (9, 10, 1.0), (3, 5, 0.5),
                                                                  (1, 4, 1.0), (12, 3, 1.0)])
 def test_the_schedule_in_epochs_resolves_as_before(epochs, steps_per_epoch, local_epochs):
-    """local_steps from local_epochs, the masks freezing after round 1 by default and 'auto' at a third of the
+    """local_steps from local_epochs, the masks chosen at the start by default and 'auto' at a third of the
     planned rounds (the formula the trainer used before the config was embedded), no keep ramp by default and the
     'auto' one over a quarter."""
     resolved = TrainConfig(epochs=epochs, local_epochs=local_epochs).resolved(steps_per_epoch).consensus
-    assert (resolved.keep_ramp_rounds, resolved.freeze_round) == (0, 1)
+    assert (resolved.keep_ramp_rounds, resolved.freeze_round) == (0, 0)
     resolved = TrainConfig(epochs=epochs, local_epochs=local_epochs, freeze_fraction=AUTO_FREEZE,
                            ramp_fraction=AUTO_RAMP).resolved(steps_per_epoch).consensus
     local_steps = max(1, round(local_epochs * steps_per_epoch))
@@ -165,9 +169,9 @@ def test_a_resume_names_the_settings_that_changed_but_not_how_it_is_launched():
     began = json.loads(json.dumps(TrainConfig(freeze_fraction=AUTO_FREEZE).resolved(22).as_dict()))
     same = TrainConfig(freeze_fraction=AUTO_FREEZE, resume=True, threads=2, stop_after_rounds=3).resolved(22)
     assert changed_settings(began, same.as_dict()) == []
-    now = TrainConfig(lr=0.1).resolved(22)   # the default since 83bcfa5: masks frozen after round 1, not a third
+    now = TrainConfig(lr=0.1).resolved(22)   # the default since 2026-11-29: masks chosen at the start
     assert changed_settings(began, now.as_dict()) == ["freeze_fraction 0.3333333333333333 -> None",
-                                                      "freeze_round 3 -> 1", "lr 0.05 -> 0.1",
+                                                      "freeze_round 3 -> 0", "lr 0.05 -> 0.1",
                                                       "rho_max 0.09090909090909088 -> 0.04545454545454544"]
     del began["overlap"]   # a knob the earlier version did not have
     assert changed_settings(began, now.as_dict())[0] == "freeze_fraction 0.3333333333333333 -> None"
@@ -179,7 +183,11 @@ def test_every_knob_but_the_methods_own_is_a_flag_with_the_recipe_default():
     cfg = cli._train_config(args)
     assert cfg == TrainConfig()
     auto = cli._train_config(parser.parse_args(["train", "--freeze-round", "auto"]))
-    assert (auto.freeze_fraction, auto.consensus.freeze_round) == (AUTO_FREEZE, 1)   # the fraction decides
+    assert (auto.freeze_fraction, auto.consensus.freeze_round) == (AUTO_FREEZE, None)   # the fraction decides
+    ramped = cli._train_config(parser.parse_args(["train", "--freeze-round", "auto", "--keep-ramp-rounds", "3"]))
+    assert (ramped.resolved(10).consensus.freeze_round, ramped.consensus.keep_ramp_rounds) == (3, 3)
+    with pytest.raises(ValueError, match="freeze_round=0 chooses the masks at the start.*keep_ramp_rounds=3"):
+        cli._train_config(parser.parse_args(["train", "--keep-ramp-rounds", "3"]))   # the recipe's start: say so
     unset = cli._train_config(parser.parse_args(["train", "--freeze-round", "none"]))
     assert (unset.freeze_fraction, unset.consensus.freeze_round) == (None, None)   # only the patience
     flags = {a.dest for a in parser._subparsers._group_actions[0].choices["train"]._actions}

@@ -274,9 +274,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 _FLAGS = {
     "local_steps": dict(group="schedule", default=None, help="steps per round (overrides --local-epochs)"),
     "freeze_round": dict(type=_freeze_round,
-                         help="round after which masks freeze: N (1, the default: the channels round 1 chose, "
-                              "every later round computing as the pruned model), auto (a third of the planned "
-                              "rounds) or none (only --freeze-patience)"),
+                         help="round after which masks freeze: 0 (the channels chosen from the initial weights "
+                              "before the first step, every round training the pruned model), N (1: the channels "
+                              "round 1 chose), auto (a third of the planned rounds) or none (only "
+                              "--freeze-patience)"),
     "keep_ramp_rounds": dict(type=_ramp_rounds,
                              help="rounds over which every keep ratio falls from 1 to its target (cubic), masks "
                                   "freezing only after: 0 (the default: the target from round 1), N, or auto (a "

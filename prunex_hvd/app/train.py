@@ -52,10 +52,11 @@ from .data import AUGMENTS, ShardedLoader, load_dataset
 # trainer's own settings: the lr warmed up (AUTO_WARMUP_EPOCHS), the balanced ρ's capped by the round's
 # length (--rho-max auto, AUTO_ROUND_PULL).
 RECIPE = ConsensusConfig(rho1=0.01, rho2=0.001, adaptive_rho=True, restart="global", node_sync=True,
-                         payload_dtype="bf16", freeze_round=1, channel_budget="global")
-# The masks freeze after round 1, behind the lr warm-up: why, and the figures, in ConsensusConfig's tuning guide
-# (freeze_round) and benchmarks/README, "Masks frozen after round 1". channel:K is one budget across the layers
-# (channel_budget; benchmarks/README, "One channel budget across the layers").
+                         payload_dtype="bf16", freeze_round=0, channel_budget="global")
+# The masks are chosen from the initial weights before the first step (freeze_round=0; until 2026-11-29 after round
+# 1, whose warm-up steps hardly move the weights: the same channels, cut one epoch later): why, and the figures, in
+# ConsensusConfig's tuning guide (freeze_round) and benchmarks/README, "Masks chosen at the start". channel:K is one
+# budget across the layers (channel_budget; benchmarks/README, "One channel budget across the layers").
 AUTO_FREEZE = 1 / 3   # --freeze-round auto: masks move for the first third, the rest retrains the structure
 AUTO_RAMP = 1 / 4     # --keep-ramp-rounds auto: the kept fraction falls from 1 to its target over the first quarter
 AUTO_RELEASE = 1 / 3  # --rho2-release-round auto: ρ2 balanced for the first third, then released; not the recipe
@@ -180,6 +181,8 @@ class TrainConfig:
             if knobs.get(knob) == "auto":
                 del knobs[knob]
                 flat[fraction] = auto
+                if knob == "freeze_round":   # not the recipe's start (0) meanwhile: a keep ramp may come with it
+                    knobs[knob] = None
             elif knob in knobs:   # a number asked for counts, unless its rule is named too (as_dict's)
                 flat.setdefault(fraction, None)
         return cls(consensus=ConsensusConfig.from_knobs(knobs, base=RECIPE, who="TrainConfig"), **flat)

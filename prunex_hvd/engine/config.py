@@ -228,21 +228,29 @@ class ConsensusConfig:
       conv) is one warning on rank 0.
     * ``freeze_round`` / ``freeze_patience`` — masks stop moving after that round, or once the global mask is
       unchanged for that many rounds; then buffers are allocated once and projection is skipped, and with
-      ``compact_compute`` every later round computes as the pruned model. With ``restart="global"`` the mask
-      stops moving after round 1 (each round starts from z, zero off its support, so the projection keeps
-      round 1's channels: drift 0 in rounds 2-4 of all 30 ResNet-18 runs measured), and the rounds before a
-      later freeze only multiply the pruned channels too. The CLI's recipe (with its two-epoch lr warm-up)
-      therefore freezes after round 1. Against freezing a third of the way (digits) or at round 4 (ResNet-18
-      at 8×8), paired by seed: ResNet-18 98.82% against 98.68% (4 seeds; 90% after 4.9 epochs against 5.4),
-      digits 98.90% against 98.99% (20; 90% after 6.6 epochs against 7.2), synthetic level (80% after 4.0
-      against 5.5); 0.80 on the emulated cluster in 0.91× the time (5 seeds). Before the warm-up, round 1 at
-      the full lr chose worse channels: ResNet-18 lost 1.3 points then, and without the warm-up it still loses
-      1.1 points against a third of the way (3 seeds; digits gains 0.3, 10). The digits ViT (heads and neurons)
-      is level with round 8 (87.31% against 87.82%, 6 seeds, its noise ±3). The library's default waits for the
-      patience (three unchanged rounds).
+      ``compact_compute`` every later round computes as the pruned model. With ``restart="global"`` the mask stops
+      moving after round 1 (each round starts from z, zero off its support, so the projection keeps round 1's
+      channels: drift 0 in rounds 2-4 of all 30 ResNet-18 runs measured), and the rounds before a later freeze only
+      multiply the pruned channels too. The CLI's recipe (with its two-epoch lr warm-up) therefore froze after round
+      1 (2026-11-28 to the sixteenth sweep). Against freezing a third of the way (digits) or at round 4 (ResNet-18
+      at 8×8), paired by seed: ResNet-18 98.82% against 98.68% (4 seeds; 90% after 4.9 epochs against 5.4), digits
+      98.90% against 98.99% (20; 90% after 6.6 epochs against 7.2), synthetic level (80% after 4.0 against 5.5);
+      0.80 on the emulated cluster in 0.91× the time (5 seeds). Before the warm-up, round 1 at the full lr chose
+      worse channels: ResNet-18 lost 1.3 points then, and without the warm-up it still loses 1.1 points against a
+      third of the way (3 seeds; digits gains 0.3, 10). The digits ViT (heads and neurons) is level with round 8
+      (87.31% against 87.82%, 6 seeds, its noise ±3). ``0`` chooses the masks from the initial weights when the
+      engine is built (the same on every rank after the broadcast: no collective) and freezes them before the first
+      step, so every round trains, computes and sends the pruned model (docs/algorithm.md, "Masks chosen at the
+      start"). Round 1 of the warm-up hardly moves the weights: it chose the same layer widths, so ``0`` cuts the
+      same kind of structure one epoch sooner. The CLI's recipe since the sixteenth sweep, against round 1 paired by
+      seed (benchmarks/README, "Masks chosen at the start"): digits 24.3 / 59.3 / 82.9% at epochs 1–3 against 17.2 /
+      51.4 / 76.5, level from epoch 5 and at the end (99.06% against 99.13, 8 seeds); ResNet-18 on digits at 8×8
+      36.9% at epoch 0.5 against 23.1, then −1.32 to +1.46, +0.17 at epoch 16 (8 seeds); synthetic +3.7 / +6.9 /
+      +1.0 / +1.0 at epochs 1–4, level after (4). Refused with ``keep_ramp_rounds``. Not measured on the ViT. The
+      library's default waits for the patience (three unchanged rounds).
     * ``masked_retrain`` — after freezing, keep θ on the frozen structure (gradients and weights masked): the
       paper's retraining phase, so the model trained from then on is the pruned model itself. Freeze early
-      enough to leave epochs for it (the recipe: all but the first round).
+      enough to leave epochs for it (the recipe: every round, from the start).
     * ``compact_compute`` (default True) — with ``masked_retrain``, from the freeze until ``finalize`` every
       structured plain ``Conv2d`` / ``Linear`` multiplies only its kept input channels and output filters
       (:mod:`prunex_hvd.engine.compact_compute`): the same function and gradients as the masked dense layer,
@@ -325,7 +333,8 @@ class ConsensusConfig:
                                                     "the global model's damping released (None: never)",
                                               agree="rho")
     weight_decay_z: float = _knob(0.0, "ridge on the consensus z (the z-step's lambda)", agree="rho")
-    freeze_round: Optional[int] = _knob(None, "round after which masks freeze (None: only freeze_patience)",
+    freeze_round: Optional[int] = _knob(None, "round after which masks freeze (0: chosen from the initial weights "
+                                              "before the first step; None: only freeze_patience)",
                                         agree="freezing")
     freeze_patience: int = _knob(3, "rounds the global mask must hold before it freezes", agree="freezing")
     masked_retrain: bool = _knob(True, "after freezing, keep θ on the frozen structure (off: only z is masked)",
@@ -399,10 +408,14 @@ class ConsensusConfig:
             raise ValueError(f"budget_floor must be a fraction in (0, 1], got {self.budget_floor!r}")
         if self.weight_decay_z < 0:
             raise ValueError(f"weight_decay_z must be >= 0, got {self.weight_decay_z!r}")
-        integer("freeze_round", 1, optional=True)
+        integer("freeze_round", 0, optional=True)
         integer("rho2_release_round", 1, optional=True)
         integer("freeze_patience", 1)
         integer("keep_ramp_rounds", 0)
+        if self.freeze_round == 0 and self.keep_ramp_rounds:
+            raise ValueError(f"freeze_round=0 chooses the masks at the start, at their targets; "
+                             f"keep_ramp_rounds={self.keep_ramp_rounds} lowers the keep ratios over the first rounds "
+                             f"and freezes only after: set one of them (keep_ramp_rounds=0, or freeze_round >= 1)")
         if self.restart not in RESTARTS:
             raise ValueError(f"restart must be one of {', '.join(RESTARTS)}, got {self.restart!r}")
         if isinstance(self.relaxation, bool) or not (isinstance(self.relaxation, Real)
