@@ -250,6 +250,11 @@ def compare(name, got, want, rtol=1e-4, atol=1e-6, ulp=None):
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
+def budget_floor(config):
+    """The reference's ``budget_floor``: the config's floor under one channel budget across layers, else None."""
+    return config.budget_floor if config.channel_budget == "global" else None
+
+
 def expected_round(rnd, before, after, node_ranks, eng):
     """The reference round over all ranks' states before round ``rnd``, under ``eng``'s settings."""
     c = eng.config
@@ -265,7 +270,7 @@ def expected_round(rnd, before, after, node_ranks, eng):
                            acceleration=eng.acceleration, outer_momentum=c.outer_momentum, retrain=c.retrain,
                            release_upper=c.rho2_release_round is not None and rnd + 1 >= c.rho2_release_round,
                            upper_starts=(c.rho2, c.rho3 if c.rho3 is not None else c.rho2),
-                           budget_floor=c.budget_floor if c.channel_budget == "global" else None)
+                           budget_floor=budget_floor(c))
 
 
 def in_exact_agreement(want, name, tier):

@@ -186,7 +186,7 @@ def check_against_the_reference(cluster, runs, want_specs, want_pairs, want_stre
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
     cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
                         payload_bytes=eng.payload_dtype.itemsize, freeze_round=eng.config.freeze_round,
-                        budget_floor=eng.config.budget_floor if eng.config.channel_budget == "global" else None)
+                        budget_floor=cases.budget_floor(eng.config))
     return ref_rounds
 
 
@@ -195,11 +195,10 @@ def check_frozen_at_start(runs):
     (the same on every rank, chosen with no collective), at z = z_i = θ = Π_S(θ0), the duals 0; round 1 then
     ran on those masks (the reference checked it)."""
     eng = runs[0]["engine"]
-    c = eng.config
     specs = {e.name: e.spec for e in eng.structured}
-    theta0 = {n: runs[0]["theta0"][n] for n in runs[0]["start"] if n in {e.name for e in eng.entries}}
+    theta0 = {e.name: runs[0]["theta0"][e.name] for e in eng.entries}
     masks = reference_masks({n: theta0[n] for n in specs}, specs, eng.couplings, eng.streams, eng.heads,
-                            c.budget_floor if c.channel_budget == "global" else None)
+                            cases.budget_floor(eng.config))
     assert any(not bool(rows.all()) or not bool(cols.all()) for rows, cols in masks.values())
     for run in runs:
         first = run["before"][0]   # after round 1's local steps: the masks and the consensus as they started
@@ -293,7 +292,7 @@ def test_overlapped_rounds_match_the_delayed_reference(run):
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
     cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
                         payload_bytes=eng.payload_dtype.itemsize, freeze_round=eng.config.freeze_round,
-                        budget_floor=eng.config.budget_floor if eng.config.channel_budget == "global" else None)
+                        budget_floor=cases.budget_floor(eng.config))
     overlapped = [True] * cases.ROUNDS if not knobs.get("overlap_after_freeze") else \
         [r["frozen_before"] for r in ref_rounds]   # the rounds after freeze_round
     assert [r["in_flight"] for r in runs[0]["reports"]] == overlapped

@@ -941,15 +941,16 @@ class HSADMM:
                         dual.zero_()
         self._refresh_prox()   # the shift cut to the structure (and none with retrain="average")
         if self.topo.rank == 0:
-            log.info("%s, density %.3f of the structured weights%s",
-                     f"round {self.round}: masks frozen" if self.round else "masks chosen from the start weights and "
-                     "frozen before the first step (freeze_round=0)", self.density(),
+            when = f"round {self.round}: masks frozen" if self.round else \
+                "masks chosen from the start weights and frozen before the first step (freeze_round=0)"
+            log.info("%s, density %.3f of the structured weights%s", when, self.density(),
                      "; from now on the rounds average (retrain='average')" if self.averaging else "")
 
     def _freeze_at_start(self) -> None:
         """``freeze_round=0``: the masks are Π_S's support on the start point θ0, the same on every rank after the
-        broadcast (so chosen with no collective), frozen before any step; z = z_i = θ = Π_S(θ0), the duals at 0,
-        ρ as configured. The rounds are then those after a freeze from the first (docs/algorithm.md, "Masks
+        broadcast (so chosen with no collective), frozen before any step; z = z_i = Π_S(θ0), the duals at 0, ρ as
+        configured, and θ = Π_S(θ0) too unless neither ``masked_retrain`` nor a restart would move it (then it
+        stays θ0, as after a later freeze). The rounds are then those after a freeze from the first (docs/algorithm.md, "Masks
         chosen at the start")."""
         self._freeze()
         with torch.no_grad():
