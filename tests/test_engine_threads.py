@@ -449,6 +449,92 @@ def test_node_sync_gives_a_missing_gradient_the_nodes_mean():
     assert all(g[i] is None for g in grads for i in (1, 3, 4, 5))   # biases, and the layer nobody used
 
 
+# post-local SGD's synchronous phase (sync_rounds=2 of the 4 rounds): the recipe with its masks at the start, the
+# paper's round with nesterov freezing at the phase's last round (masks chosen from the synchronous θ), one node,
+# one rank per node with a narrow payload
+SYNC_RUNS = {"2x2-recipe": ((2, 2), "channel", dict(restart="global", node_sync=True, payload_dtype="bf16",
+                                                     channel_budget="global", freeze_round=0)),
+             "2x3-paper-freeze2": ((2, 3), "mixed", dict(restart="none", freeze_round=2, acceleration="nesterov")),
+             "1x3": ((1, 3), "channel", {}),
+             "3x1-bf16": ((3, 1), "channel", dict(payload_dtype="bf16"))}
+SYNC = 2
+
+
+def reference_sync_steps(runs, kind, masks):
+    """The synchronous phase in one process: one model and one SGD, each step on the mean of every rank's data
+    gradient (each on its own batch), no proximal term, θ and the gradient on ``masks`` (the structure frozen at the
+    start; None: dense). Returns θ before each of its rounds."""
+    model = cases.make_model(kind, 0)
+    model.load_state_dict(runs[0]["start"])
+    opt, params = cases.sgd(model), dict(model.named_parameters())
+    batches = [cases.rank_batch(r) for r in range(len(runs))]
+    out = []
+    for _ in range(SYNC):
+        for _ in range(cases.LOCAL_STEPS):
+            grads = {n: torch.zeros_like(p) for n, p in params.items()}
+            for x, y in batches:
+                g = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(params.values()))
+                for n, gn in zip(params, g):
+                    grads[n] += gn / len(batches)
+            for n, p in params.items():
+                p.grad = grads[n] * _support(p, masks[n]) if masks and n in masks else grads[n]
+            opt.step()
+            with torch.no_grad():
+                for n, m in (masks or {}).items():
+                    params[n].mul_(_support(params[n], m))
+        out.append({n: p.detach().clone() for n, p in params.items()})
+    return out
+
+
+@pytest.mark.parametrize("run", list(SYNC_RUNS))
+def test_sync_rounds_are_synchronous_sgd_then_admm_from_there(run):
+    """sync_rounds: in the first rounds every rank steps on the world's mean gradient with no proximal term, so
+    every rank holds the single-process reference's θ; each such round takes θ as the consensus (z = z_i = θ, on
+    the structure if it freezes there, the duals 0, ẑ = z) and the float buffers' mean over the job; the rounds
+    after it match the reference ADMM round from that state. The steps' gradients cross nodes on the leaders'
+    tier only, compact once the masks are frozen."""
+    layout, case, knobs = SYNC_RUNS[run]
+    kind, sparsity, coupled, *_ = CASES[case]
+    cluster, runs, _ = train_on_threads(*layout, kind, sparsity, coupled, sync_rounds=SYNC, **knobs)
+    node_ranks, eng = cluster[0].topo.node_ranks, runs[0]["engine"]
+    first = runs[0]["before"][0]
+    want = reference_sync_steps(runs, kind, first["masks"] if first["frozen"] else None)
+    for rnd in range(SYNC):
+        befores, afters = [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs]
+        buffers = {n: torch.stack([b["buffers"][n] for b in befores]).mean(0) for n in befores[0]["buffers"]}
+        for r, (before, after) in enumerate(zip(befores, afters)):
+            for name, theta in before["theta"].items():
+                cases.compare(f"round {rnd} rank {r} theta[{name}]", theta, want[rnd][name])
+                z = _support(theta, after["masks"][name]) * theta if after["frozen"] and name in after["masks"] \
+                    else theta
+                cases.compare(f"round {rnd} rank {r} z[{name}]", after["z"][name], z, rtol=0, atol=0)
+                assert torch.equal(after["z_i"][name], after["z"][name]), (rnd, r, name)
+                assert not after["u"][name].any() and not after["v"][name].any(), (rnd, r, name)
+                assert after["rho1"][name] == before["rho1"][name] and after["rho2"][name] == before["rho2"][name]
+                if name in after["z_hat"]:
+                    assert torch.equal(after["z_hat"][name], after["z"][name]), (rnd, r, name)
+            for name, mean in buffers.items():
+                cases.compare(f"round {rnd} rank {r} buffer {name}", after["round_buffers"][name], mean)
+                assert torch.equal(after["buffers"][name], after["round_buffers"][name])
+            assert not any(ef.any() for ef in after["ef"].values())
+        assert afters[0]["frozen"] == (eng.config.freeze_round <= rnd + 1), rnd
+    for rnd in range(SYNC, cases.ROUNDS):
+        cases.check_round(rnd, [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs],
+                          node_ranks, eng)
+    cases.assert_same_everywhere([run["final"] for run in runs], "after finalize")
+    grads = sum(e.compact_numel() if first["frozen"] else e.param.numel() for e in eng.entries)
+    buffer_numel = sum(b.numel() for _, b in eng.buffers)
+    for rank in cluster:
+        phase = [rec for rec in rank.ledger.records if rec.tag == "sync-phase"]
+        crossing = [rec for rec in phase if rec.tier == "inter"]
+        if layout[0] == 1 or rank.topo.local_rank:   # one node, or not a leader: nothing crosses
+            assert not crossing and not any(rec.cross_node_bytes for rec in phase), rank.topo.rank
+            continue
+        # every step's gradients, then every synchronous round's buffers, averaged across nodes by the leaders
+        sent = sum(rec.payload_bytes for rec in crossing) // cases.FLOAT_BYTES
+        assert sent == SYNC * (cases.LOCAL_STEPS * grads + buffer_numel), (rank.topo.rank, sent)
+
+
 def chain_engines(**knobs):
     """For a 2×2 thread cluster: a rank's model and a function making its engine under ``knobs``."""
     models = [cases.make_model("chain", r) for r in range(4)]
@@ -576,6 +662,22 @@ def test_masks_frozen_at_the_start_resume_bit_for_bit(model_first):
     for r in range(4):
         assert all(torch.equal(whole[r][0][k], resumed[r][0][k]) for k in whole[r][0]), f"rank {r}"
     assert whole[0][2]["engine"]["frozen"] and whole[0][2]["engine"]["round"] == 2
+
+
+@pytest.mark.parametrize("take_at", [cases.LOCAL_STEPS, cases.LOCAL_STEPS + 1], ids=["round-1", "mid-round-2"])
+def test_sync_rounds_resume_bit_for_bit(take_at):
+    """sync_rounds=3 of 4, then an overlapped ADMM round (the recipe's other knobs, 2×2): state_dict() taken in
+    the synchronous phase, after its first round or one step into its second, loaded into fresh engines, ends bit
+    for bit where the uninterrupted run ends."""
+    native.module()
+    config = ConsensusConfig(sparsity="channel:0.5", node_sync=True, payload_dtype="bf16", channel_budget="global",
+                             sync_rounds=3, overlap=True, overlap_after_freeze=False,
+                             **dict(cases.SETTINGS, freeze_round=0))
+    whole = resume_on_threads(config, 2, 2, take_at=take_at)
+    resumed = resume_on_threads(config, 2, 2, saved=[r[2] for r in whole], take_at=take_at)
+    for r in range(4):
+        assert all(torch.equal(whole[r][0][k], resumed[r][0][k]) for k in whole[r][0]), f"rank {r}"
+    assert whole[0][2]["engine"]["round"] == 1
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])

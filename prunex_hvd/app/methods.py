@@ -94,22 +94,26 @@ def _pactrain(optimizer, model, cfg, sample_batch):
 
 def _localsgd(optimizer, model, cfg, sample_batch):
     from ..baselines import averaging
-    return averaging.LocalSGD(optimizer, model, period=cfg.consensus.local_steps, backend=cfg.consensus.backend)
+    return averaging.LocalSGD(optimizer, model, period=cfg.consensus.local_steps, backend=cfg.consensus.backend,
+                              sync_rounds=cfg.consensus.sync_rounds)
 
 
 def _localsgd_hier(optimizer, model, cfg, sample_batch):
     from ..baselines import averaging
     return averaging.HierarchicalLocalSGD(optimizer, model, period=cfg.consensus.local_steps,
-                                          intra_period=cfg.hier_intra_steps, backend=cfg.consensus.backend)
+                                          intra_period=cfg.hier_intra_steps, backend=cfg.consensus.backend,
+                                          sync_rounds=cfg.consensus.sync_rounds)
 
 
 def _diloco(optimizer, model, cfg, sample_batch):
     from ..baselines import averaging
     return averaging.DiLoCo(optimizer, model, period=cfg.consensus.local_steps, outer_lr=cfg.diloco_outer_lr,
-                            outer_momentum=cfg.diloco_outer_momentum, backend=cfg.consensus.backend)
+                            outer_momentum=cfg.diloco_outer_momentum, backend=cfg.consensus.backend,
+                            sync_rounds=cfg.consensus.sync_rounds)
 
 
-# the round-based methods take their period from the consensus's local_steps (--local-steps / --local-epochs)
+# the round-based methods take their period from the consensus's local_steps (--local-steps / --local-epochs), and
+# their synchronous phase from its sync_rounds (--sync-rounds)
 METHODS: Dict[str, Callable] = {"dense": _dense, "topk": _topk, "pactrain": _pactrain, "localsgd": _localsgd,
                                 "localsgd-hier": _localsgd_hier, "diloco": _diloco, "prunex-flat": _prunex_flat,
                                 "prunex": _prunex}

@@ -193,6 +193,19 @@ class MethodOptimizer(torch.optim.Optimizer):
         self._load_method_state(method)
 
 
+def allreduce_gradients(params: List[torch.nn.Parameter], layout: BucketLayout, world) -> None:
+    """Every parameter's gradient averaged over ``world``, one allreduce per bucket of ``layout`` (a parameter
+    unused this step takes part with zeros: the same buckets everywhere)."""
+    for k, p in enumerate(params):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        layout.views[k].copy_(p.grad.reshape(-1))
+    for buf in layout.buffers:
+        world.allreduce_(buf, "avg")
+    for k, p in enumerate(params):
+        p.grad.copy_(layout.views[k].view_as(p.grad))
+
+
 def flat_layout(params: Iterable[torch.Tensor], bucket_mb: float) -> Optional[BucketLayout]:
     params = list(params)
     if not params:

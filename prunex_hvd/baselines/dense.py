@@ -20,7 +20,8 @@ import torch
 from ..dist import agreement, runtime, watchdog
 from ..dist.comm import groups as comm_groups
 from ..dist.comm.accounting import record_ring
-from .common import MethodOptimizer, Traffic, broadcast_model, check_wrapping, flat_layout, mix_into
+from .common import (MethodOptimizer, Traffic, allreduce_gradients, broadcast_model, check_wrapping, flat_layout,
+                     mix_into)
 
 
 class _Allreduce(MethodOptimizer):
@@ -32,14 +33,7 @@ class _Allreduce(MethodOptimizer):
         self._layout = flat_layout(self._params, bucket_mb)
 
     def _communicate(self) -> None:
-        for k, p in enumerate(self._params):
-            if p.grad is None:   # a parameter unused this step still takes part: same buckets everywhere
-                p.grad = torch.zeros_like(p)
-            self._layout.views[k].copy_(p.grad.reshape(-1))
-        for buf in self._layout.buffers:
-            self._world.allreduce_(buf, "avg")
-        for k, p in enumerate(self._params):
-            p.grad.copy_(self._layout.views[k].view_as(p.grad))
+        allreduce_gradients(self._params, self._layout, self._world)
 
 
 def _account_horovod(opt, model, world) -> None:

@@ -356,6 +356,9 @@ class ConsensusConfig:
     relaxation: float = _knob(1.0, "over-relaxation alpha of both tiers, in (0, 2) (1: plain ADMM)", agree="round")
     rho_growth: float = _knob(1.0, "every rho multiplied by this each round, up to rho_max (1: no schedule)",
                               agree="rho")
+    sync_rounds: int = _knob(0, "post-local SGD: the first N rounds average the gradients over the world every step "
+                                "(no proximal term) and only take θ as the consensus; ADMM from round N + 1",
+                             agree="round")
     keep_ramp_rounds: int = _knob(0, "rounds over which every keep ratio falls from 1 to its target (cubic); "
                                      "masks freeze only after it (0: target from round 1)", agree="freezing")
     node_sync: bool = _knob(False, "average gradients over the node's ranks before every step (fast links): each "
@@ -412,6 +415,11 @@ class ConsensusConfig:
         integer("rho2_release_round", 1, optional=True)
         integer("freeze_patience", 1)
         integer("keep_ramp_rounds", 0)
+        integer("sync_rounds", 0)
+        if self.sync_rounds and self.keep_ramp_rounds:
+            raise ValueError(f"sync_rounds={self.sync_rounds} spends the first rounds synchronously, with no mask "
+                             f"computed; keep_ramp_rounds={self.keep_ramp_rounds} would lower the keep ratios over "
+                             f"those same rounds: set one of them")
         if self.freeze_round == 0 and self.keep_ramp_rounds:
             raise ValueError(f"freeze_round=0 chooses the masks at the start, at their targets; "
                              f"keep_ramp_rounds={self.keep_ramp_rounds} lowers the keep ratios over the first rounds "

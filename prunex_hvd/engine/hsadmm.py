@@ -34,6 +34,11 @@ Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`
 ``node_sync`` the node's ranks first average their gradients (:meth:`HSADMM.sync_node_grads`), so each node
 steps as one data-parallel worker.
 
+``sync_rounds``: the first rounds are post-local SGD's synchronous phase. Every step averages the gradients over
+the world and adds no proximal term, so the ranks hold one θ, and such a round only takes it as the consensus
+(z = z_i = θ, the duals 0) and averages the float buffers (:meth:`HSADMM._sync_round`; docs/algorithm.md, "A
+synchronous start").
+
 Residuals count both tiers as consensus ADMM does (:mod:`prunex_hvd.engine.admm`):
 s_intra = ρ1√(P·Σ_i‖Δz_i‖²), s_inter = ρ2√M‖Δz‖. With one node (or ``hierarchical=False``) there is no inter-node tier: z = z_i, r_inter is
 0 by construction, so ρ2 is not adapted and no inter residuals are reported. With racks, r_inter/s_inter are
@@ -308,8 +313,17 @@ class HSADMM:
         self._prox_groups = list(groups.items())
 
     @property
+    def syncing(self) -> bool:
+        """Whether this round is in the synchronous phase (``sync_rounds``): gradients averaged over the world
+        every step, no proximal term, the round only takes θ as the consensus."""
+        return self.round < self.config.sync_rounds and not self.finalized
+
+    @property
     def syncs_node_grads(self) -> bool:
-        """Whether :meth:`sync_node_grads` averages anything (``node_sync`` on a node of more than one rank)."""
+        """Whether :meth:`sync_node_grads` averages anything this step: ``node_sync`` on a node of more than one
+        rank, or the synchronous phase on more than one rank."""
+        if self.syncing:
+            return self.topo.size > 1
         return self.config.node_sync and self.topo.local_size > 1
 
     def sync_node_grads(self) -> None:
@@ -318,11 +332,16 @@ class HSADMM:
         same step: the node is one data-parallel worker. A parameter with no gradient on this rank counts as
         zero in the mean, and gets the mean when that is not zero (so the node's ranks step it alike).
 
+        In the synchronous phase (``sync_rounds``) the node's mean then goes on to the leaders, who average it
+        over the nodes and hand it back to their node (:meth:`_tree_`): every rank steps on the world's mean, as
+        under Horovod, whether or not ``node_sync`` is on.
+
         Once the masks are frozen (``masked_retrain``) only each structured weight's kept block travels: the
         pruned entries' gradients are masked right after anyway, so they come back 0 without being sent, and
         the node's links carry the pruned model (half of ResNet-18's gradient at ``channel:0.5``)."""
         if not self.syncs_node_grads:
             return
+        world = self.syncing and self.inter_tier
         compact = self._retraining_masked
         if self._grads is None:   # made again at the freeze (and on a load)
             self._grads = BucketLayout([e.compact_numel() if compact else e.param.numel() for e in self.entries],
@@ -339,7 +358,11 @@ class HSADMM:
         with self.ledger.tagged("node-sync"):
             for buf in self._grads.buffers:
                 self.groups.intra.allreduce_(buf, "avg")
-        self._count_traffic(before)   # all of it intra: the node's own group
+        if world:   # the nodes' means averaged across nodes, back down each node
+            with self.ledger.tagged("sync-phase"):
+                for buf in self._grads.buffers:
+                    self._tree_(buf, "avg")
+        self._count_traffic(before)
         for k, e in enumerate(self.entries):
             mean = self._grads.views[k]
             if e.param.grad is None:
@@ -361,8 +384,9 @@ class HSADMM:
         masked to the structure, a pass over every structured gradient; ``grads_on_structure`` says the gradients
         are zero outside it already (``node_sync``'s compact average, recovered in this very step, as
         :meth:`prunex_hvd.DistributedOptimizer.step` does), and with θ on it (``compact_compute`` on) the pass is
-        skipped: every term is zero there."""
-        for rho1, ks in self._prox_groups:
+        skipped: every term is zero there. The synchronous phase (``sync_rounds``) adds no proximal term: the
+        ranks' θ is the consensus already."""
+        for rho1, ks in ([] if self.syncing else self._prox_groups):
             live = [k for k in ks if self.entries[k].param.grad is not None]
             if not live or rho1 == 0.0:   # (retrain="average": no penalty once the masks froze)
                 continue
@@ -438,6 +462,8 @@ class HSADMM:
             raise RuntimeError("consensus round after finalize(): finalize() ends training (the model now holds "
                                "the consensus z); to evaluate the consensus mid-run use consensus_weights()")
         with watchdog.waiting(f"consensus round {self.round + 1}", world=True):
+            if self.syncing:
+                return self._sync_round(steps)
             if self.overlapping:
                 return self._overlapped_round(steps)
             return self._round(steps)
@@ -453,7 +479,7 @@ class HSADMM:
         """Whether rounds are overlapped now: with ``overlap``, from the first round, or once the masks are frozen
         (``overlap_after_freeze``: before, each node's θ is far from the consensus and steps taken from it are
         worth little once rebased onto z; docs/algorithm.md, "Overlapped rounds")."""
-        return self.overlap and (self.frozen or not self.config.overlap_after_freeze)
+        return self.overlap and not self.syncing and (self.frozen or not self.config.overlap_after_freeze)
 
     def _round(self, steps: Optional[int]) -> dict:
         """Algorithm 1 as its phases (numbered as in the module docstring and docs/algorithm.md)."""
@@ -505,6 +531,59 @@ class HSADMM:
         self.round += 1
         self._maybe_freeze()                          # 9. freezing
         return totals, s_top_sq
+
+    # -- the synchronous phase (docs/algorithm.md, "A synchronous start") -------------------------------
+    def _sync_round(self, steps: Optional[int]) -> dict:
+        """A round of the synchronous phase (``sync_rounds``). Every step averaged the gradients over the world,
+        so the ranks hold one θ and the consensus is θ itself:
+
+        1. the float buffers (each rank's own running statistics) averaged over the job as a round averages them,
+           the node's mean then the nodes' mean; with them every rank's round, step count and inf/NaN flags, so
+           the round is refused on every rank alike, as phase 6 refuses one;
+        2. z = z_i = θ (with racks w_r = θ), every dual and error feedback at 0, ẑ = z: the state a new engine
+           would start from at θ, so the first ADMM round after the phase is round 1 from there; ρ held;
+        3. the masks freeze if this is ``freeze_round``, chosen from θ (no mask is computed before: the
+           patience does not count these rounds)."""
+        t0, before = time.perf_counter(), self.ledger.summary(by_op=False)
+        n = len(self.entries)
+        flat = torch.cat([b.reshape(-1) for _, b in self.buffers]) if self.buffers else \
+            torch.zeros(0, dtype=self.dtype, device=self.device)
+        where = [not bool(torch.isfinite(e.param.detach()).all()) for e in self.entries] + \
+            [not bool(torch.isfinite(flat).all())]
+        with self.ledger.tagged("sync-phase"):                         # 1.
+            self.groups.intra.allreduce_(flat, "avg")
+            self._tree_(flat, "avg")
+        who = torch.zeros(self.topo.size, 3, dtype=torch.float64)
+        who[self.topo.rank] = torch.tensor([self.round + 1, -1 if steps is None else steps, float(any(where))])
+        summed = self._sum_over_job(torch.cat([who.reshape(-1), torch.tensor(where, dtype=torch.float64)]))
+        self._check_round(summed[:3 * self.topo.size].view(-1, 3), summed[3 * self.topo.size:],
+                          torch.zeros(n, 3, dtype=torch.float64), [0.0] * n)
+        offset = 0
+        for j, (_, b) in enumerate(self.buffers):
+            b.copy_(flat[offset: offset + b.numel()].view_as(b))
+            self._round_buffers[j].copy_(b)
+            offset += b.numel()
+        with torch.no_grad():                                          # 2.
+            for e in self.entries:
+                e.z = e.param.detach().to(self.state_dtype).clone()
+                e.z_i = e.z.clone()
+                for state in (e.u, e.v, e.t, e.ef, e.ef_spine, e.v_prev):
+                    if state is not None:
+                        state.zero_()
+                if e.w is not None:
+                    e.w = e.z.clone()
+                if e.z_hat is not None:
+                    e.z_hat, e.z_prev, e.momentum_a, e.combined = e.z.clone(), e.z.clone(), 1.0, math.inf
+            for ef in self._buffer_ef + self._buffer_ef_spine:
+                ef.zero_()
+        self.round += 1
+        freeze = self.config.freeze_round                               # 3.
+        if not self.frozen and freeze is not None and self.round >= freeze:
+            self._freeze()
+            self._start_from_frozen_z()
+        self._refresh_prox()
+        self._set_compact_compute()
+        return self._report(before, time.perf_counter() - t0, 0, 0.0)
 
     # -- the overlapped round (docs/algorithm.md, "Overlapped rounds") ------------------------------------
     def _overlapped_round(self, steps: Optional[int]) -> dict:
@@ -953,6 +1032,13 @@ class HSADMM:
         stays θ0, as after a later freeze). The rounds are then those after a freeze from the first (docs/algorithm.md, "Masks
         chosen at the start")."""
         self._freeze()
+        self._start_from_frozen_z()
+        self._refresh_prox()
+        self._set_compact_compute()
+
+    def _start_from_frozen_z(self) -> None:
+        """After a freeze that no round's steps follow yet (at the start, or in the synchronous phase): z_i (and ẑ)
+        at the masked z, and θ too unless neither ``masked_retrain`` nor a restart would move it."""
         with torch.no_grad():
             for e in self.structured:
                 e.z_i = e.z.clone()
@@ -960,8 +1046,6 @@ class HSADMM:
                     e.z_hat, e.z_prev = e.z.clone(), e.z.clone()
                 if self.config.masked_retrain or self.config.restart != "none":
                     e.param.copy_(e.z)
-        self._refresh_prox()
-        self._set_compact_compute()
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _nonfinite(self) -> List[bool]:
