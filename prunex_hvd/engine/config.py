@@ -42,6 +42,20 @@ class ConsensusConfig:
     * ``local_steps`` — wrapped steps between consensus rounds. Communication happens only in rounds, so
       traffic falls as 1/local_steps; too many steps let ranks drift apart (higher primal residual, slower
       agreement). The paper uses 5–10 local epochs per round on CIFAR; start with one epoch per round.
+    * ``sync_rounds`` — post-local SGD (Lin et al. 2020; PyTorch's ``post_localSGD_hook``): the first N rounds
+      average the gradients over the world every step, as Horovod does, with no proximal term; each such round
+      only takes the ranks' one θ as the consensus, and ADMM starts from it at round N + 1 (docs/algorithm.md, "A
+      synchronous start"). The rivals take the same phase from the same knob. It buys the first epochs with bytes:
+      a gradient allreduce a step instead of one exchange a round, the compact one with the masks frozen. 0 (the
+      default, and the CLI's). Measured over the two-epoch lr warm-up, paired by seed (benchmarks/README, "A
+      synchronous start"): ResNet-18 on digits at 8×8 (4 rounds) +5.7 / +10.5 points at epochs 1 / 2, 70% after
+      1.4 epochs against 2.25, +0.49 at epoch 16 (4 seeds), level with PacTrain from epoch 2 (3.75 below it at
+      epoch 1, 9.44 without; every round synchronous is as far below, so that is the structure chosen at the
+      start); digits (2 rounds) −1.3 / +4.2 at epochs 1 / 2, within 0.9 after (8), while local SGD given the same
+      phase gains more (+3.3 / +11.4). The inter-node bytes are 3.6× the run's (ResNet-18) and 4.5× (digits); on
+      the emulated cluster at 100 Mbit/s 0.80 took 5.7× as long with it (one epoch of it: 3.3×; 3 seeds), reached
+      little or no sooner in epochs. On slow links leave it off; on fast ones, where the bytes are cheap, it is the
+      way to PacTrain's first epochs.
     * the wrapped optimizer's ``lr`` (not a knob here) — between rounds each rank steps on its own batch, as in
       local SGD: the lr that works for local SGD works here (the accuracy-per-epoch measurements use one lr,
       0.05, for every method). Without ``restart`` (the paper's round) a lower lr helped: with ResNet-18, 2×2
