@@ -451,19 +451,23 @@ def test_node_sync_gives_a_missing_gradient_the_nodes_mean():
 
 # post-local SGD's synchronous phase (sync_rounds=2 of the 4 rounds): the recipe with its masks at the start, the
 # paper's round with nesterov freezing at the phase's last round (masks chosen from the synchronous θ), one node,
-# one rank per node with a narrow payload
+# one rank per node with a narrow payload, θ trained dense on frozen masks (only z masked), a model without float
+# buffers (the ViT's LayerNorms)
 SYNC_RUNS = {"2x2-recipe": ((2, 2), "channel", dict(restart="global", node_sync=True, payload_dtype="bf16",
                                                      channel_budget="global", freeze_round=0)),
              "2x3-paper-freeze2": ((2, 3), "mixed", dict(restart="none", freeze_round=2, acceleration="nesterov")),
              "1x3": ((1, 3), "channel", {}),
-             "3x1-bf16": ((3, 1), "channel", dict(payload_dtype="bf16"))}
+             "3x1-bf16": ((3, 1), "channel", dict(payload_dtype="bf16")),
+             "2x2-dense-theta": ((2, 2), "channel", dict(freeze_round=0, masked_retrain=False)),
+             "2x2-vit": ((2, 2), "vit", dict(freeze_round=0))}
 SYNC = 2
 
 
-def reference_sync_steps(runs, kind, masks):
+def reference_sync_steps(runs, kind, masks, masked_steps, restart):
     """The synchronous phase in one process: one model and one SGD, each step on the mean of every rank's data
-    gradient (each on its own batch), no proximal term, θ and the gradient on ``masks`` (the structure frozen at the
-    start; None: dense). Returns θ before each of its rounds."""
+    gradient (each on its own batch), no proximal term; with ``masks`` (the structure frozen at the start) θ and the
+    gradient on them after every step if ``masked_steps`` (``masked_retrain``), else θ put on them at each round
+    when it restarts. Returns θ before each of its rounds."""
     model = cases.make_model(kind, 0)
     model.load_state_dict(runs[0]["start"])
     opt, params = cases.sgd(model), dict(model.named_parameters())
@@ -477,12 +481,15 @@ def reference_sync_steps(runs, kind, masks):
                 for n, gn in zip(params, g):
                     grads[n] += gn / len(batches)
             for n, p in params.items():
-                p.grad = grads[n] * _support(p, masks[n]) if masks and n in masks else grads[n]
+                p.grad = grads[n] * _support(p, masks[n]) if masked_steps and n in masks else grads[n]
             opt.step()
             with torch.no_grad():
-                for n, m in (masks or {}).items():
+                for n, m in masks.items() if masked_steps else ():
                     params[n].mul_(_support(params[n], m))
         out.append({n: p.detach().clone() for n, p in params.items()})
+        with torch.no_grad():   # the round: θ at z, on the structure
+            for n, m in masks.items() if masked_steps or restart != "none" else ():
+                params[n].mul_(_support(params[n], m))
     return out
 
 
@@ -498,9 +505,12 @@ def test_sync_rounds_are_synchronous_sgd_then_admm_from_there(run):
     cluster, runs, _ = train_on_threads(*layout, kind, sparsity, coupled, sync_rounds=SYNC, **knobs)
     node_ranks, eng = cluster[0].topo.node_ranks, runs[0]["engine"]
     first = runs[0]["before"][0]
-    want = reference_sync_steps(runs, kind, first["masks"] if first["frozen"] else None)
+    want = reference_sync_steps(runs, kind, first["masks"] if first["frozen"] else {}, eng.config.masked_retrain,
+                                eng.config.restart)
     for rnd in range(SYNC):
         befores, afters = [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs]
+        for key, states in (("theta", befores), ("z", afters)):   # one model: chosen from with no collective
+            cases.assert_same_everywhere([s[key] for s in states], f"{key} in synchronous round {rnd}")
         buffers = {n: torch.stack([b["buffers"][n] for b in befores]).mean(0) for n in befores[0]["buffers"]}
         for r, (before, after) in enumerate(zip(befores, afters)):
             for name, theta in before["theta"].items():
@@ -522,7 +532,8 @@ def test_sync_rounds_are_synchronous_sgd_then_admm_from_there(run):
         cases.check_round(rnd, [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs],
                           node_ranks, eng)
     cases.assert_same_everywhere([run["final"] for run in runs], "after finalize")
-    grads = sum(e.compact_numel() if first["frozen"] else e.param.numel() for e in eng.entries)
+    compact = first["frozen"] and eng.config.masked_retrain   # (θ on the structure: only its blocks travel)
+    grads = sum(e.compact_numel() if compact else e.param.numel() for e in eng.entries)
     buffer_numel = sum(b.numel() for _, b in eng.buffers)
     for rank in cluster:
         phase = [rec for rec in rank.ledger.records if rec.tag == "sync-phase"]
@@ -673,10 +684,13 @@ def test_sync_rounds_resume_bit_for_bit(take_at):
     config = ConsensusConfig(sparsity="channel:0.5", node_sync=True, payload_dtype="bf16", channel_budget="global",
                              sync_rounds=3, overlap=True, overlap_after_freeze=False,
                              **dict(cases.SETTINGS, freeze_round=0))
+    plain = resume_on_threads(config, 2, 2, take_at=None)
     whole = resume_on_threads(config, 2, 2, take_at=take_at)
     resumed = resume_on_threads(config, 2, 2, saved=[r[2] for r in whole], take_at=take_at)
     for r in range(4):
+        assert all(torch.equal(plain[r][0][k], whole[r][0][k]) for k in whole[r][0]), f"rank {r}: taking it"
         assert all(torch.equal(whole[r][0][k], resumed[r][0][k]) for k in whole[r][0]), f"rank {r}"
+        assert plain[r][1] == whole[r][1], r
     assert whole[0][2]["engine"]["round"] == 1
 
 

@@ -540,8 +540,9 @@ class HSADMM:
         1. the float buffers (each rank's own running statistics) averaged over the job as a round averages them,
            the node's mean then the nodes' mean; with them every rank's round, step count and inf/NaN flags, so
            the round is refused on every rank alike, as phase 6 refuses one;
-        2. z = z_i = θ (with racks w_r = θ), every dual and error feedback at 0, ẑ = z: the state a new engine
-           would start from at θ, so the first ADMM round after the phase is round 1 from there; ρ held;
+        2. z = z_i = θ (with racks w_r = θ), on the frozen structure once the masks are frozen (then θ too, as
+           after a freeze), every dual and error feedback at 0, ẑ = z: the state a new engine would start from at
+           θ, so the first ADMM round after the phase is round 1 from there; ρ held;
         3. the masks freeze if this is ``freeze_round``, chosen from θ (no mask is computed before: the
            patience does not count these rounds)."""
         t0, before = time.perf_counter(), self.ledger.summary(by_op=False)
@@ -550,9 +551,10 @@ class HSADMM:
             torch.zeros(0, dtype=self.dtype, device=self.device)
         where = [not bool(torch.isfinite(e.param.detach()).all()) for e in self.entries] + \
             [not bool(torch.isfinite(flat).all())]
-        with self.ledger.tagged("sync-phase"):                         # 1.
-            self.groups.intra.allreduce_(flat, "avg")
-            self._tree_(flat, "avg")
+        if flat.numel():   # (a model without float buffers: nothing to average; the same on every rank)
+            with self.ledger.tagged("sync-phase"):                     # 1.
+                self.groups.intra.allreduce_(flat, "avg")
+                self._tree_(flat, "avg")
         who = torch.zeros(self.topo.size, 3, dtype=torch.float64)
         who[self.topo.rank] = torch.tensor([self.round + 1, -1 if steps is None else steps, float(any(where))])
         summed = self._sum_over_job(torch.cat([who.reshape(-1), torch.tensor(where, dtype=torch.float64)]))
@@ -565,7 +567,8 @@ class HSADMM:
             offset += b.numel()
         with torch.no_grad():                                          # 2.
             for e in self.entries:
-                e.z = e.param.detach().to(self.state_dtype).clone()
+                theta = e.param.detach().to(self.state_dtype)
+                e.z = sparsity.apply_masks(theta, e.rows, e.cols) if self.frozen and e.structured else theta.clone()
                 e.z_i = e.z.clone()
                 for state in (e.u, e.v, e.t, e.ef, e.ef_spine, e.v_prev):
                     if state is not None:
@@ -580,10 +583,11 @@ class HSADMM:
         freeze = self.config.freeze_round                               # 3.
         if not self.frozen and freeze is not None and self.round >= freeze:
             self._freeze()
+        if self.frozen:
             self._start_from_frozen_z()
         self._refresh_prox()
         self._set_compact_compute()
-        return self._report(before, time.perf_counter() - t0, 0, 0.0)
+        return self._report(before, time.perf_counter() - t0, 0, 0.0, exchanged=False)
 
     # -- the overlapped round (docs/algorithm.md, "Overlapped rounds") ------------------------------------
     def _overlapped_round(self, steps: Optional[int]) -> dict:
@@ -1037,8 +1041,9 @@ class HSADMM:
         self._set_compact_compute()
 
     def _start_from_frozen_z(self) -> None:
-        """After a freeze that no round's steps follow yet (at the start, or in the synchronous phase): z_i (and ẑ)
-        at the masked z, and θ too unless neither ``masked_retrain`` nor a restart would move it."""
+        """Where the steps start after the freeze at the start, and after a round of the synchronous phase once
+        frozen: z_i (and ẑ) at the masked z, and θ too unless neither ``masked_retrain`` nor a restart would move
+        it."""
         with torch.no_grad():
             for e in self.structured:
                 e.z_i = e.z.clone()
@@ -1185,11 +1190,11 @@ class HSADMM:
         self.bytes["cross_rack"] += cross_rack
         return cross, intra, cross_rack
 
-    def _report(self, before, seconds, compact_numel: int, wait: float) -> dict:
+    def _report(self, before, seconds, compact_numel: int, wait: float, exchanged: bool = True) -> dict:
         """Bytes of the round as the ring model puts them on the wire: ``inter`` = what crossed node
         boundaries, ``intra`` = the rest. The consensus exchange and its dense counterfactual are counted
         on the group that carries it (the leaders; the one group of a flat consensus), so their ratio is
-        exact."""
+        exact; a round of the synchronous phase exchanges no model (``exchanged=False``: neither is counted)."""
         cross, intra, cross_rack = self._count_traffic(before)
         if self.topo.num_nodes > 1:
             carrier = self.groups.inter       # None on non-leaders: they send nothing across
@@ -1207,8 +1212,9 @@ class HSADMM:
                     sizes = [numel * comm.wire_dtype(dtype).itemsize] * comm.size
                     total += ring_cross_node_bytes(op, sizes, comm.rank, comm.nodes)
             return total
-        consensus = on_carrier(compact_numel, self.payload_dtype if self.topo.num_nodes > 1 else self.dtype)
-        dense = on_carrier(self._dense.total_numel, self.dtype)   # the dense exchange in the model's dtype
+        consensus = on_carrier(compact_numel, self.payload_dtype if self.topo.num_nodes > 1 else self.dtype) \
+            if exchanged else 0
+        dense = on_carrier(self._dense.total_numel, self.dtype) if exchanged else 0   # (in the model's dtype)
         self.bytes["inter_consensus"] += consensus
         self.bytes["dense_inter"] += dense
         self.exchange_wait_s += wait
