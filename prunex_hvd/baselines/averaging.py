@@ -83,8 +83,8 @@ class _RoundAveraging(MethodOptimizer):
                 allreduce_gradients(self._params, self._grads, self._world)
 
     def _synchronous(self, step: int) -> bool:
-        """Whether the round closing after ``step`` steps is one of the synchronous phase's."""
-        return step <= self._sync_steps
+        """Whether the round closing after ``step`` steps is one of the synchronous phase's (none without one)."""
+        return self._sync_steps > 0 and step <= self._sync_steps
 
     def _after_step(self) -> None:
         self._local_step_done(self._steps + 1)
@@ -201,13 +201,14 @@ class _LocalSGD(_RoundAveraging):
             with watchdog.waiting("local SGD averaging", world=True, transport=True):
                 self._averager.average_parameters(self._params)   # averages when its step says so
         if step % self._period == 0:
-            if self._synchronous(step):
-                self._close_round(step)
-            else:
-                self._world_round_done(t0)
+            self._world_round_done(step, t0)
 
-    def _world_round_done(self, t0: float) -> None:
-        """The averager averaged over the world: record it, average the buffers, keep the round's model."""
+    def _world_round_done(self, step: int, t0: float) -> None:
+        """The averager averaged over the world: record it, average the buffers, keep the round's model. In the
+        synchronous phase it did not: the phase's own round."""
+        if self._synchronous(step):
+            self._close_round(step)
+            return
         with self._traffic.measure(self._tag):
             self._record(self._params, self._torch_world, t0)
             self._average_buffers()
@@ -247,10 +248,7 @@ class _HierarchicalLocalSGD(_LocalSGD):
             with watchdog.waiting("hierarchical local SGD averaging", world=True, transport=True):
                 self._averager.average_parameters(self._params)
         if step % self._period == 0:
-            if self._synchronous(step):
-                self._close_round(step)
-            else:
-                self._world_round_done(t0)
+            self._world_round_done(step, t0)
         elif step % self._intra_period == 0 and not self._synchronous(step):
             with self._traffic.measure(self._tag):
                 self._record(self._params, self._node_group, t0)

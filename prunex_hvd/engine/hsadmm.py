@@ -555,9 +555,8 @@ class HSADMM:
             with self.ledger.tagged("sync-phase"):                     # 1.
                 self.groups.intra.allreduce_(flat, "avg")
                 self._tree_(flat, "avg")
-        who = torch.zeros(self.topo.size, 3, dtype=torch.float64)
-        who[self.topo.rank] = torch.tensor([self.round + 1, -1 if steps is None else steps, float(any(where))])
-        summed = self._sum_over_job(torch.cat([who.reshape(-1), torch.tensor(where, dtype=torch.float64)]))
+        summed = self._sum_over_job(torch.cat([self._who(steps, where).reshape(-1),
+                                               torch.tensor(where, dtype=torch.float64)]))
         self._check_round(summed[:3 * self.topo.size].view(-1, 3), summed[3 * self.topo.size:],
                           torch.zeros(n, 3, dtype=torch.float64), [0.0] * n)
         offset = 0
@@ -837,8 +836,7 @@ class HSADMM:
                 local_sq[k, 4] = admm.sq_norm(w_new[k] - z_new[k])
             s_inter_sq[k] = admm.dual_residual_sq(admm.sq_norm(z_new[k] - e.z), e.rho3, self.topo.num_racks)
         size = self.topo.size
-        who = torch.zeros(size, 3, dtype=torch.float64)   # one row per rank: summing fills every row
-        who[self.topo.rank] = torch.tensor([self.round + 1, -1 if steps is None else steps, float(any(nonfinite))])
+        who = self._who(steps, nonfinite)
         where = torch.tensor(nonfinite, dtype=torch.float64)    # per entry, then the float buffers
         summed = self._sum_over_job(torch.cat([local_sq.reshape(-1), who.reshape(-1).to(self.device),
                                                where.to(self.device)]))
@@ -1062,6 +1060,13 @@ class HSADMM:
             return [False] * (n + 1)
         return [not bool(torch.isfinite(views[k]).all()) for k in range(n)] + \
             [any(not bool(torch.isfinite(v).all()) for v in views[n:])]
+
+    def _who(self, steps: Optional[int], nonfinite: List[bool]) -> torch.Tensor:
+        """This rank's row of the round's check (round, step count, any inf/NaN), in a table of one row per rank:
+        summed over the job, every row is filled (:meth:`_check_round` reads it)."""
+        who = torch.zeros(self.topo.size, 3, dtype=torch.float64)
+        who[self.topo.rank] = torch.tensor([self.round + 1, -1 if steps is None else steps, float(any(nonfinite))])
+        return who
 
     def _check_round(self, who: torch.Tensor, where: torch.Tensor, totals: torch.Tensor,
                      s_inter_sq: List[float]) -> None:
