@@ -156,3 +156,17 @@ def test_world_is_a_communicator_auto_or_none():
     with pytest.raises(ValueError, match="world must be a communicator, 'auto' or None"):
         recalibrate_batchnorm(two_norms(), iter(batches(0, 2)), num_batches=2, world="everyone")
     assert recalibrate_batchnorm(two_norms(), iter(batches(0, 2)), num_batches=2, world=None) == 2
+
+
+@pytest.mark.usefixtures("single_process")   # conftest.py
+def test_the_final_statistics_stop_at_the_cap(tmp_path, capsys, monkeypatch):
+    """An epoch longer than FINAL_BN_BATCHES: the final model's statistics come from that many batches."""
+    from prunex_hvd.app import train
+    monkeypatch.setattr(train, "FINAL_BN_BATCHES", 5)
+    args = ["train", "--model", "resnet_small", "--dataset", "digits", "--threads", "1", "--no-progress",
+            "--epochs", "1", "--batch-size", "32", "--local-steps", "20", "--bn-recalibrate", "3",
+            "--out", str(tmp_path)]
+    assert cli.main(args) == 0, capsys.readouterr()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    final = torch.load(tmp_path / "final_model.pt")["state_dict"]
+    assert summary["steps"] > 5 and int(final["bn1.num_batches_tracked"]) == 5

@@ -15,26 +15,37 @@ HOSTS = "localhost:2,127.0.0.1:2"
 SCALE = 65536.0   # GradScaler's initial scale; an inf halves it on the scaler that saw it
 
 
+EVERY_RANK_SKIPS = {r: {4, 7} for r in range(4)}
+
+
 @needs_mpirun
 @pytest.mark.parametrize("flags, skipped, halved", [
-    ([], {1: {4}, 2: {7}}, {1, 2}),
+    ([], {1: {4}, 2: {7}}, {1: 1, 2: 1}),
     # node_sync: the inf reaches the node's mean, so its node skips together; only rank 1's scaler saw it
-    (["--node-sync"], {0: {4}, 1: {4}, 2: {7}, 3: {7}}, {1, 2}),
+    (["--node-sync"], {0: {4}, 1: {4}, 2: {7}, 3: {7}}, {1: 1, 2: 1}),
     # Horovod's pattern: synchronize() averages first, so both scalers of the node see the inf
-    (["--node-sync", "--amp-pattern", "horovod"], {0: {4}, 1: {4}, 2: {7}, 3: {7}}, {0, 1, 2, 3}),
+    (["--node-sync", "--amp-pattern", "horovod"], {0: {4}, 1: {4}, 2: {7}, 3: {7}}, dict.fromkeys(range(4), 1)),
     # unscale_ before synchronize(): each scaler judged its own gradients, the node's mean still decides
-    (["--node-sync", "--amp-pattern", "unscale-first"], {0: {4}, 1: {4}, 2: {7}, 3: {7}}, {1, 2}),
-], ids=["scaler.step", "node-sync", "node-sync-horovod-pattern", "node-sync-unscale-first"])
+    (["--node-sync", "--amp-pattern", "unscale-first"], {0: {4}, 1: {4}, 2: {7}, 3: {7}}, {1: 1, 2: 1}),
+    # the synchronous phase (both infs in its rounds): the world's mean carries each inf, every rank skips both
+    (["--sync-rounds", "3"], EVERY_RANK_SKIPS, {1: 1, 2: 1}),
+    (["--sync-rounds", "3", "--amp-pattern", "horovod"], EVERY_RANK_SKIPS, dict.fromkeys(range(4), 2)),
+], ids=["scaler.step", "node-sync", "node-sync-horovod-pattern", "node-sync-unscale-first", "sync-rounds",
+        "sync-rounds-horovod-pattern"])
 def test_amp_inf_on_one_rank_skips_its_step_and_the_rounds_stay_aligned(tmp_path, flags, skipped, halved):
     """CPU autocast (bf16) with a GradScaler; rank 1 finds an inf at step 4 and rank 2 at step 7. Each skips that
-    step but counts it, so every round lines up; the worker checks every round against the reference."""
+    step but counts it, so every round lines up; the worker checks every round against the reference (a
+    synchronous round: one θ everywhere, taken as z). ``halved``: how often each rank's scaler halved its scale."""
     proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", "mpi", "--amp-inf", "1:4,2:7", *flags,
                                     "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
     results = worker_results(proc, tmp_path, "engine")
-    check_results(results, CHANNEL)
+    if "--sync-rounds" in flags:   # its rounds send no consensus exchange: the worker's checks are the test
+        assert results[0]["checks"] == 4 * ROUNDS
+    else:
+        check_results(results, CHANNEL)
     for r in results:
         assert r["moved"] == [j not in skipped.get(r["rank"], ()) for j in range(ROUNDS * LOCAL_STEPS)], r["rank"]
-        assert r["scale"] == (SCALE / 2 if r["rank"] in halved else SCALE), r["rank"]
+        assert r["scale"] == SCALE / 2 ** halved.get(r["rank"], 0), r["rank"]
 
 
 @needs_horovod

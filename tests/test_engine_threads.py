@@ -459,7 +459,9 @@ SYNC_RUNS = {"2x2-recipe": ((2, 2), "channel", dict(restart="global", node_sync=
              "1x3": ((1, 3), "channel", {}),
              "3x1-bf16": ((3, 1), "channel", dict(payload_dtype="bf16")),
              "2x2-dense-theta": ((2, 2), "channel", dict(freeze_round=0, masked_retrain=False)),
-             "2x2-vit": ((2, 2), "vit", dict(freeze_round=0))}
+             "2x2-vit": ((2, 2), "vit", dict(freeze_round=0)),
+             # racks (nodes, ranks per node, nodes per rack): the steps' means go up the rack tier and the spine
+             "4x2-racks-of-2": ((4, 2, 2), "channel", dict(payload_dtype="bf16", freeze_round=0))}
 SYNC = 2
 
 
@@ -502,8 +504,11 @@ def test_sync_rounds_are_synchronous_sgd_then_admm_from_there(run):
     tier only, compact once the masks are frozen."""
     layout, case, knobs = SYNC_RUNS[run]
     kind, sparsity, coupled, *_ = CASES[case]
-    cluster, runs, _ = train_on_threads(*layout, kind, sparsity, coupled, sync_rounds=SYNC, **knobs)
+    per_rack = layout[2] if len(layout) == 3 else None
+    cluster, runs, _ = train_on_threads(*layout[:2], kind, sparsity, coupled, nodes_per_rack=per_rack,
+                                        sync_rounds=SYNC, **knobs)
     node_ranks, eng = cluster[0].topo.node_ranks, runs[0]["engine"]
+    assert eng.rack_tier == bool(per_rack)
     first = runs[0]["before"][0]
     want = reference_sync_steps(runs, kind, first["masks"] if first["frozen"] else {}, eng.config.masked_retrain,
                                 eng.config.restart)
@@ -523,6 +528,9 @@ def test_sync_rounds_are_synchronous_sgd_then_admm_from_there(run):
                 assert after["rho1"][name] == before["rho1"][name] and after["rho2"][name] == before["rho2"][name]
                 if name in after["z_hat"]:
                     assert torch.equal(after["z_hat"][name], after["z"][name]), (rnd, r, name)
+                if per_rack:   # the rack's consensus is z too, its dual 0
+                    assert torch.equal(after["w"][name], after["z"][name]), (rnd, r, name)
+                    assert not after["t"][name].any(), (rnd, r, name)
             for name, mean in buffers.items():
                 cases.compare(f"round {rnd} rank {r} buffer {name}", after["round_buffers"][name], mean)
                 assert torch.equal(after["buffers"][name], after["round_buffers"][name])
@@ -537,13 +545,24 @@ def test_sync_rounds_are_synchronous_sgd_then_admm_from_there(run):
     buffer_numel = sum(b.numel() for _, b in eng.buffers)
     for rank in cluster:
         phase = [rec for rec in rank.ledger.records if rec.tag == "sync-phase"]
-        crossing = [rec for rec in phase if rec.tier == "inter"]
+        crossing = [rec for rec in phase if rec.tier in ("inter", "rack", "spine")]
         if layout[0] == 1 or rank.topo.local_rank:   # one node, or not a leader: nothing crosses
             assert not crossing and not any(rec.cross_node_bytes for rec in phase), rank.topo.rank
             continue
         # every step's gradients, then every synchronous round's buffers, averaged across nodes by the leaders
-        sent = sum(rec.payload_bytes for rec in crossing) // cases.FLOAT_BYTES
-        assert sent == SYNC * (cases.LOCAL_STEPS * grads + buffer_numel), (rank.topo.rank, sent)
+        # (with racks: summed over the rack and handed back down it, the racks' sums averaged by their leaders)
+        each = SYNC * (cases.LOCAL_STEPS * grads + buffer_numel) * cases.FLOAT_BYTES
+        if per_rack:
+            by_tier_op = {}
+            for rec in crossing:
+                by_tier_op[rec.tier, rec.op] = by_tier_op.get((rec.tier, rec.op), 0) + rec.payload_bytes
+            want = {("rack", "allreduce"): each, ("rack", "broadcast"): each}
+            if rank.topo.is_rack_leader:
+                want["spine", "allreduce"] = each
+            assert by_tier_op == want, (rank.topo.rank, by_tier_op)
+            continue
+        sent = sum(rec.payload_bytes for rec in crossing)
+        assert sent == each, (rank.topo.rank, sent)
 
 
 def chain_engines(**knobs):

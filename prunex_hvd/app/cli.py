@@ -260,8 +260,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-every", type=int, default=D.eval_every, help="rounds between test evaluations")
     g.add_argument("--bn-recalibrate", type=int, default=D.bn_recalibrate, metavar="N",
                    help="measure the evaluated model's BatchNorm statistics again on N training batches per rank, "
-                        "the final model's on a whole epoch, weights held, averaged over the ranks (every method; 0: "
-                        "the round's own statistics)")
+                        "the final model's on a whole epoch (at most 256 batches), weights held, averaged over the "
+                        "ranks (every method; 0: the round's own statistics)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: cores / ranks on the host)")
     g.add_argument("--device", default=D.device, choices=("auto", "cpu", "cuda"),

@@ -83,6 +83,10 @@ WARMED_UP_METHODS = ("prunex", "prunex-flat")
 # hierarchical local SGD (ln 10 = 2.30), at most 3.2 with the two-epoch warm-up (8% under the 3.45 this sets),
 # 2.5-2.9 for PacTrain's batch of 64 (benchmarks/README, "The warm-up a task needs"). Said once a process, on rank 0.
 DIVERGING_LOSS = 1.5
+# The final model's BatchNorm statistics: measured over a whole epoch, but at most this many batches a rank (a
+# cumulative mean over 64 ranks' 256 batches is far past the point where it moves; an epoch of a large dataset on
+# few ranks would cost a third of a training epoch in forward passes)
+FINAL_BN_BATCHES = 256
 # --rho-max auto: residual balancing stops raising a ρ where a round's local steps, under the proximal term alone,
 # would pull θ back this many times its distance to the anchor. With heavy-ball momentum β a steady force F moves θ
 # by lr·F/(1 − β) a step, so H steps at ρ pull back H·lr·ρ/(1 − β) of the distance: ρ_max = pull·(1 − β)/(lr·H),
@@ -152,8 +156,8 @@ class TrainConfig:
     stop_after_rounds: Optional[int] = None    # a time-boxed slice: checkpoint and stop after this many more rounds
     eval_every: int = 1                        # rounds
     bn_recalibrate: int = 8                    # training batches per rank the evaluated model's BatchNorm statistics
-                                               # are measured again on, a whole epoch for the final model (0: the
-                                               # round's own statistics)
+                                               # are measured again on, a whole epoch (at most FINAL_BN_BATCHES)
+                                               # for the final model (0: the round's own statistics)
     threads: Optional[int] = None
     device: str = "auto"                       # auto: this rank's GPU (local rank) when CUDA is there, else cpu
     progress: bool = True
@@ -572,7 +576,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     # the final model keeps statistics measured for its own weights, over a whole epoch: 8 batches a rank cost the
     # end 0.07-0.14 points on digits and 0.14-0.56 on ResNet-18 (benchmarks/README, "The consensus model's
     # BatchNorm statistics"), an epoch nothing
-    final = scored(steps_per_epoch, keep=True)
+    final = scored(min(steps_per_epoch, FINAL_BN_BATCHES), keep=True)
     stats = opt.stats()
     totals = _job_totals(control, stats)
     params_total = sum(p.numel() for p in model.parameters())

@@ -237,9 +237,10 @@ class HSADMM:
         self.fold_after = config.overlap_steps or max(1, config.local_steps // 4)
         self._in_flight: Optional[_InFlight] = None
         self.exchange_wait_s = 0.0   # time ranks waited on the consensus exchange, all rounds
-        self._refresh_prox()
         if config.freeze_round == 0:   # masks chosen at the start: every round trains the pruned model
             self._freeze_at_start()
+        else:
+            self._refresh_prox()
 
     # -- set-up -----------------------------------------------------------------------------------------
     def _check_rack_tier(self) -> None:

@@ -43,10 +43,13 @@ def main():
                     help="with --amp-inf: the calls around the step (engine_cases.amp_step)")
     ap.add_argument("--acceleration", default="none", choices=("none", "fast-admm", "nesterov"))
     ap.add_argument("--fixed-rho", action="store_true", help="every rho held (fast ADMM's momentum then builds)")
+    ap.add_argument("--sync-rounds", type=int, default=0,
+                    help="the first rounds synchronous (every step on the world's mean gradient; z = θ there)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
     from prunex_hvd.dist.runtime import state
+    from prunex_hvd.engine.sparsity import apply_masks
     topo = px.init(backend=a.backend)
     control = state()[1]
     if a.device == "cuda":
@@ -57,6 +60,7 @@ def main():
                                   coupled=a.coupled, node_sync=a.node_sync, payload_dtype=a.payload_dtype,
                                   overlap=a.overlap, overlap_steps=a.overlap_steps,
                                   overlap_after_freeze=a.overlap_after_freeze, acceleration=a.acceleration,
+                                  sync_rounds=a.sync_rounds,
                                   **dict(cases.SETTINGS, freeze_round=a.freeze_round,
                                          adaptive_rho=not a.fixed_rho))
     eng = opt._engine
@@ -84,7 +88,15 @@ def main():
         before = control.allgather_object(cases.snapshot(eng))
         reports.append(opt.consensus())
         after = control.allgather_object(cases.snapshot(eng))
-        if topo.rank == 0:
+        if topo.rank == 0 and rnd < a.sync_rounds:   # one θ everywhere, taken as the consensus
+            cases.assert_same_everywhere([b["theta"] for b in before], f"before synchronous round {rnd}")
+            for r, (b, c) in enumerate(zip(before, after)):
+                for n, t in b["theta"].items():   # on the structure if the masks froze here
+                    z = apply_masks(t, *c["masks"][n]) if c["frozen"] and n in c["masks"] else t
+                    assert torch.equal(c["z"][n], z) and torch.equal(c["z_i"][n], z), (rnd, r, n)
+                    assert not c["u"][n].any() and not c["v"][n].any(), (rnd, r, n)
+            checks += len(after)
+        elif topo.rank == 0:
             if a.node_sync:   # one θ per node: its ranks took the node's mean gradient every step
                 for ranks in topo.node_ranks:
                     cases.assert_same_everywhere([before[r]["theta"] for r in ranks], f"in a node before round {rnd}")
