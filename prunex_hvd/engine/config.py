@@ -41,7 +41,10 @@ class ConsensusConfig:
 
     * ``local_steps`` — wrapped steps between consensus rounds. Communication happens only in rounds, so
       traffic falls as 1/local_steps; too many steps let ranks drift apart (higher primal residual, slower
-      agreement). The paper uses 5–10 local epochs per round on CIFAR; start with one epoch per round.
+      agreement). The paper uses 5–10 local epochs per round on CIFAR; start with one epoch per round. Shorter
+      rounds buy the first epochs with bytes: on ResNet-18 (digits at 8×8, the recipe) rounds of 2 steps instead
+      of 11 gave +7.2 / +13.9 points at epochs 1 / 2 but −2.6 to −4.7 at epochs 3–6, level at the end, for 5.5×
+      the bytes (4 seeds; benchmarks/README, "Where PacTrain's first epochs come from").
     * ``sync_rounds`` — post-local SGD (Lin et al. 2020; PyTorch's ``post_localSGD_hook``): the first N rounds
       average the gradients over the world every step, as Horovod does, with no proximal term; each such round
       only takes the ranks' one θ as the consensus, and ADMM starts from it at round N + 1 (docs/algorithm.md, "A
@@ -50,12 +53,13 @@ class ConsensusConfig:
       default, and the CLI's). Measured over the two-epoch lr warm-up, paired by seed (benchmarks/README, "A
       synchronous start"): ResNet-18 on digits at 8×8 (4 rounds) +5.7 / +10.5 points at epochs 1 / 2, 70% after
       1.4 epochs against 2.25, +0.49 at epoch 16 (4 seeds), level with PacTrain from epoch 2 (3.75 below it at
-      epoch 1, 9.44 without; every round synchronous is as far below, so that is the structure chosen at the
-      start); digits (2 rounds) −1.3 / +4.2 at epochs 1 / 2, within 0.9 after (8), while local SGD given the same
-      phase gains more (+3.3 / +11.4). The inter-node bytes are 3.6× the run's (ResNet-18) and 4.5× (digits); on
-      the emulated cluster at 100 Mbit/s 0.80 took 5.7× as long with it (one epoch of it: 3.3×; 3 seeds), reached
-      little or no sooner in epochs. On slow links leave it off; on fast ones, where the bytes are cheap, it is the
-      way to PacTrain's first epochs.
+      epoch 1, 9.44 without: the structure, PacTrain given PruneX's channels being 3.1 / 7.5 below its own at
+      epochs 1 / 2 and level with PruneX's phase at epoch 1; masks chosen after the phase's first round instead
+      of at the start did worse, −2.0 / −2.3); digits (2 rounds) −1.3 / +4.2 at epochs 1 / 2, within 0.9 after
+      (8), while local SGD given the same phase gains more (+3.3 / +11.4). The inter-node bytes are 3.6× the run's
+      (ResNet-18) and 4.5× (digits); on the emulated cluster at 100 Mbit/s 0.80 took 5.7× as long with it (one
+      epoch of it: 3.3×; 3 seeds), reached little or no sooner in epochs. On slow links leave it off; on fast
+      ones, where the bytes are cheap, it is the way to PacTrain's first epochs.
     * the wrapped optimizer's ``lr`` (not a knob here) — between rounds each rank steps on its own batch, as in
       local SGD: the lr that works for local SGD works here (the accuracy-per-epoch measurements use one lr,
       0.05, for every method). Without ``restart`` (the paper's round) a lower lr helped: with ResNet-18, 2×2
