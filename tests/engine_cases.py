@@ -282,6 +282,31 @@ def in_exact_agreement(want, name, tier):
     return max(want["residuals"][name][first:first + 2]) < 1e-6
 
 
+def check_sync_round(rnd, before, after):
+    """A round of the synchronous phase (``sync_rounds``), from every rank's snapshots before and after it: one θ
+    everywhere, taken as the consensus (z = z_i = θ, on the structure if the masks are frozen; ẑ = z and, with
+    racks, w_r = z), every dual and error feedback 0, ρ held, and the float buffers' mean over the job."""
+    from prunex_hvd.engine.sparsity import apply_masks
+    for key, states in (("theta", before), ("z", after)):   # one model: chosen from with no collective
+        assert_same_everywhere([s[key] for s in states], f"{key} in synchronous round {rnd}")
+    buffers = {n: torch.stack([b["buffers"][n] for b in before]).mean(0) for n in before[0]["buffers"]}
+    for r, (got_before, got) in enumerate(zip(before, after)):
+        for name, theta in got_before["theta"].items():
+            z = apply_masks(theta, *got["masks"][name]) if got["frozen"] and name in got["masks"] else theta
+            compare(f"round {rnd} rank {r} z[{name}]", got["z"][name], z, rtol=0, atol=0)
+            assert torch.equal(got["z_i"][name], got["z"][name]), (rnd, r, name)
+            assert not got["u"][name].any() and not got["v"][name].any(), (rnd, r, name)
+            assert got["rho1"][name] == got_before["rho1"][name] and got["rho2"][name] == got_before["rho2"][name]
+            if name in got["z_hat"]:
+                assert torch.equal(got["z_hat"][name], got["z"][name]), (rnd, r, name)
+            if name in got["w"]:   # racks: the rack's consensus is z too, its dual 0
+                assert torch.equal(got["w"][name], got["z"][name]) and not got["t"][name].any(), (rnd, r, name)
+        for name, mean in buffers.items():
+            compare(f"round {rnd} rank {r} buffer {name}", got["round_buffers"][name], mean)
+            assert torch.equal(got["buffers"][name], got["round_buffers"][name])
+        assert not any(ef.any() for ef in got["ef"].values())
+
+
 def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buffers=True):
     """Every rank's state after round ``rnd`` (``after[r]``, θ included unless ``theta=False``) against the
     reference round over all ranks' states before it (``want``, :func:`expected_round` by default); ``eng`` (any

@@ -40,7 +40,7 @@ def test_amp_inf_on_one_rank_skips_its_step_and_the_rounds_stay_aligned(tmp_path
                                     "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
     results = worker_results(proc, tmp_path, "engine")
     if "--sync-rounds" in flags:   # its rounds send no consensus exchange: the worker's checks are the test
-        assert results[0]["checks"] == 4 * ROUNDS
+        assert results[0]["checks"] == len(results) * ROUNDS
     else:
         check_results(results, CHANNEL)
     for r in results:

@@ -514,27 +514,11 @@ def test_sync_rounds_are_synchronous_sgd_then_admm_from_there(run):
                                 eng.config.restart)
     for rnd in range(SYNC):
         befores, afters = [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs]
-        for key, states in (("theta", befores), ("z", afters)):   # one model: chosen from with no collective
-            cases.assert_same_everywhere([s[key] for s in states], f"{key} in synchronous round {rnd}")
-        buffers = {n: torch.stack([b["buffers"][n] for b in befores]).mean(0) for n in befores[0]["buffers"]}
-        for r, (before, after) in enumerate(zip(befores, afters)):
+        cases.check_sync_round(rnd, befores, afters)
+        assert all(bool(a["w"]) == bool(per_rack) for a in afters), rnd   # the rack state, where there are racks
+        for r, before in enumerate(befores):
             for name, theta in before["theta"].items():
                 cases.compare(f"round {rnd} rank {r} theta[{name}]", theta, want[rnd][name])
-                z = _support(theta, after["masks"][name]) * theta if after["frozen"] and name in after["masks"] \
-                    else theta
-                cases.compare(f"round {rnd} rank {r} z[{name}]", after["z"][name], z, rtol=0, atol=0)
-                assert torch.equal(after["z_i"][name], after["z"][name]), (rnd, r, name)
-                assert not after["u"][name].any() and not after["v"][name].any(), (rnd, r, name)
-                assert after["rho1"][name] == before["rho1"][name] and after["rho2"][name] == before["rho2"][name]
-                if name in after["z_hat"]:
-                    assert torch.equal(after["z_hat"][name], after["z"][name]), (rnd, r, name)
-                if per_rack:   # the rack's consensus is z too, its dual 0
-                    assert torch.equal(after["w"][name], after["z"][name]), (rnd, r, name)
-                    assert not after["t"][name].any(), (rnd, r, name)
-            for name, mean in buffers.items():
-                cases.compare(f"round {rnd} rank {r} buffer {name}", after["round_buffers"][name], mean)
-                assert torch.equal(after["buffers"][name], after["round_buffers"][name])
-            assert not any(ef.any() for ef in after["ef"].values())
         assert afters[0]["frozen"] == (eng.config.freeze_round <= rnd + 1), rnd
     for rnd in range(SYNC, cases.ROUNDS):
         cases.check_round(rnd, [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs],

@@ -49,7 +49,6 @@ def main():
     a = ap.parse_args()
     import prunex_hvd as px
     from prunex_hvd.dist.runtime import state
-    from prunex_hvd.engine.sparsity import apply_masks
     topo = px.init(backend=a.backend)
     control = state()[1]
     if a.device == "cuda":
@@ -89,12 +88,7 @@ def main():
         reports.append(opt.consensus())
         after = control.allgather_object(cases.snapshot(eng))
         if topo.rank == 0 and rnd < a.sync_rounds:   # one θ everywhere, taken as the consensus
-            cases.assert_same_everywhere([b["theta"] for b in before], f"before synchronous round {rnd}")
-            for r, (b, c) in enumerate(zip(before, after)):
-                for n, t in b["theta"].items():   # on the structure if the masks froze here
-                    z = apply_masks(t, *c["masks"][n]) if c["frozen"] and n in c["masks"] else t
-                    assert torch.equal(c["z"][n], z) and torch.equal(c["z_i"][n], z), (rnd, r, n)
-                    assert not c["u"][n].any() and not c["v"][n].any(), (rnd, r, n)
+            cases.check_sync_round(rnd, before, after)
             checks += len(after)
         elif topo.rank == 0:
             if a.node_sync:   # one θ per node: its ranks took the node's mean gradient every step
