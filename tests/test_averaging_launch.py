@@ -58,8 +58,11 @@ def test_rivals_with_a_synchronous_phase_match_the_reference_under_mpirun(tmp_pa
         per_rank = [r[method]["stats"] for r in results]
         assert all(s["rounds"] == WORLD_ROUNDS and s["steps"] == STEPS for s in per_rank), (method, per_rank)
         # PERIOD steps of gradients and every round's buffers; the parameters in the rounds after the phase
-        cross = ring_sent(params, 4) * (PERIOD + WORLD_ROUNDS - 1) + ring_sent(buffers, 4) * WORLD_ROUNDS
-        assert [s["inter_bytes"] for s in per_rank] == [0, cross, 0, cross], method
+        world = ring_sent(params, 4) * (PERIOD + WORLD_ROUNDS - 1) + ring_sent(buffers, 4) * WORLD_ROUNDS
+        assert [s["inter_bytes"] for s in per_rank] == [0, world, 0, world], method
+        # every rank sends the same on the world ring; hierarchical local SGD's node rounds come after the phase
+        node = ring_sent(params, 2) * (NODE_ROUNDS - 1) if method == "localsgd-hier" else 0   # steps 6, 10
+        assert [s["intra_bytes"] for s in per_rank] == [world + node, node, world + node, node], method
 
 
 @needs_horovod

@@ -225,3 +225,34 @@ def test_the_wrapped_optimizer_refuses_to_step_after_finalize(single_process):
         opt.step()
     with pytest.raises(RuntimeError, match=r"after finalize\(\)"):
         opt.consensus()
+
+
+def test_the_proximal_cache_is_built_once_where_the_masks_freeze(monkeypatch):
+    """The cache ρ1(u − z_i) is rebuilt once z_i has its final value, not once by the freeze and again after:
+    at construction with freeze_round=0, and in a synchronous round that freezes (the round's values checked
+    against the reference in tests/test_engine_threads.py)."""
+    built = []
+    original = HSADMM._refresh_prox
+
+    def counting(self):
+        built.append(self.round)
+        original(self)
+    monkeypatch.setattr(HSADMM, "_refresh_prox", counting)
+
+    def body(rank):
+        start = engine(rank, make_model(), freeze_round=0)
+        at_start, built[:] = list(built), []
+        model = make_model()
+        eng = engine(rank, model, sync_rounds=2, freeze_round=2)
+        opt = sgd(model)
+        x, y = rank_batch(0)
+        rounds = []
+        for _ in range(2):
+            train_steps(eng, model, opt, x, y, 2)
+            built[:] = []
+            eng.consensus_round(steps=None)
+            rounds.append(list(built))
+        return start.frozen, at_start, eng.frozen, rounds
+    frozen_at_start, at_start, frozen, rounds = run_ranks(1, 1, body)[0]
+    assert frozen_at_start and at_start == [0]
+    assert frozen and rounds == [[1], [2]]

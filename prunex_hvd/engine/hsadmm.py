@@ -569,25 +569,30 @@ class HSADMM:
             for e in self.entries:
                 theta = e.param.detach().to(self.state_dtype)
                 e.z = sparsity.apply_masks(theta, e.rows, e.cols) if self.frozen and e.structured else theta.clone()
-                e.z_i = e.z.clone()
                 for state in (e.u, e.v, e.t, e.ef, e.ef_spine, e.v_prev):
                     if state is not None:
                         state.zero_()
                 if e.w is not None:
                     e.w = e.z.clone()
                 if e.z_hat is not None:
-                    e.z_hat, e.z_prev, e.momentum_a, e.combined = e.z.clone(), e.z.clone(), 1.0, math.inf
+                    e.momentum_a, e.combined = 1.0, math.inf
             for ef in self._buffer_ef + self._buffer_ef_spine:
                 ef.zero_()
         self.round += 1
-        freeze = self.config.freeze_round                               # 3.
+        freeze = self.config.freeze_round                               # 3. (the masks from z = θ)
         if not self.frozen and freeze is not None and self.round >= freeze:
-            self._freeze()
+            self._freeze(refresh=False)
+        with torch.no_grad():                                          # 2. z_i = ẑ = z, once z is final
+            for e in self.entries:
+                if not (self.frozen and e.structured):   # (those, θ with them: _start_from_frozen_z)
+                    e.z_i = e.z.clone()
+                    if e.z_hat is not None:
+                        e.z_hat, e.z_prev = e.z.clone(), e.z.clone()
         if self.frozen:
             self._start_from_frozen_z()
         self._refresh_prox()
         self._set_compact_compute()
-        return self._report(before, time.perf_counter() - t0, 0, 0.0, exchanged=False)
+        return self._report(before, time.perf_counter() - t0, None, 0.0)
 
     # -- the overlapped round (docs/algorithm.md, "Overlapped rounds") ------------------------------------
     def _overlapped_round(self, steps: Optional[int]) -> dict:
@@ -1004,10 +1009,11 @@ class HSADMM:
             for e in self.entries:   # (with acceleration, the extrapolated ẑ: the point the round leans on)
                 e.param.copy_(e.anchor if self.config.restart == "global" else e.z_i)
 
-    def _freeze(self) -> None:
+    def _freeze(self, refresh: bool = True) -> None:
         """Masks stop moving. The OR of the nodes' masks may keep more than was asked, so the frozen structure
         is the requested one, cut from the global z (the same on every rank): the retraining phase then trains
-        exactly the model that :meth:`finalize` returns."""
+        exactly the model that :meth:`finalize` returns. ``refresh=False``: the caller moves z_i next and
+        refreshes the proximal cache itself."""
         for e, (rows, cols) in zip(self.structured, self._masks({e.name: e.z for e in self.structured})):
             e.set_masks(rows, cols)
             e.z = sparsity.apply_masks(e.z, e.rows, e.cols)
@@ -1021,7 +1027,8 @@ class HSADMM:
                 for dual in (e.u, e.v, e.t):
                     if dual is not None:
                         dual.zero_()
-        self._refresh_prox()   # the shift cut to the structure (and none with retrain="average")
+        if refresh:
+            self._refresh_prox()   # the shift cut to the structure (and none with retrain="average")
         if self.topo.rank == 0:
             when = f"round {self.round}: masks frozen" if self.round else \
                 "masks chosen from the start weights and frozen before the first step (freeze_round=0)"
@@ -1034,7 +1041,7 @@ class HSADMM:
         configured, and θ = Π_S(θ0) too unless neither ``masked_retrain`` nor a restart would move it (then it
         stays θ0, as after a later freeze). The rounds are then those after a freeze from the first (docs/algorithm.md, "Masks
         chosen at the start")."""
-        self._freeze()
+        self._freeze(refresh=False)
         self._start_from_frozen_z()
         self._refresh_prox()
         self._set_compact_compute()
@@ -1196,11 +1203,12 @@ class HSADMM:
         self.bytes["cross_rack"] += cross_rack
         return cross, intra, cross_rack
 
-    def _report(self, before, seconds, compact_numel: int, wait: float, exchanged: bool = True) -> dict:
+    def _report(self, before, seconds, compact_numel: Optional[int], wait: float) -> dict:
         """Bytes of the round as the ring model puts them on the wire: ``inter`` = what crossed node
         boundaries, ``intra`` = the rest. The consensus exchange and its dense counterfactual are counted
         on the group that carries it (the leaders; the one group of a flat consensus), so their ratio is
-        exact; a round of the synchronous phase exchanges no model (``exchanged=False``: neither is counted)."""
+        exact; a round of the synchronous phase exchanges no model (``compact_numel=None``: neither is counted)."""
+        exchanged = compact_numel is not None
         cross, intra, cross_rack = self._count_traffic(before)
         if self.topo.num_nodes > 1:
             carrier = self.groups.inter       # None on non-leaders: they send nothing across
