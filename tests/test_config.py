@@ -30,6 +30,10 @@ KNOBS = ConsensusConfig.knob_names()
     ({"freeze_round": -1}, r"freeze_round must be None or an integer >= 0, got -1"),
     ({"freeze_round": 0, "keep_ramp_rounds": 2}, r"freeze_round=0 chooses the masks at the start.*keep_ramp_rounds=2"),
     ({"freeze_patience": 0}, r"freeze_patience must be an integer >= 1"),
+    ({"keep_start_norm": 1, "freeze_round": 0}, r"keep_start_norm must be True or False, got 1"),
+    ({"keep_start_norm": True, "freeze_round": 1}, r"keep_start_norm scales the start's projection.*freeze_round=0 "
+                                                   r"\(got 1\)"),
+    ({"keep_start_norm": True}, r"keep_start_norm .*freeze_round=0 \(got None\)"),
     ({"sync_rounds": -1}, r"sync_rounds must be an integer >= 0, got -1"),
     ({"sync_rounds": 2, "freeze_round": 3, "keep_ramp_rounds": 2},
      r"sync_rounds=2 spends the first rounds synchronously.*keep_ramp_rounds=2"),
@@ -98,9 +102,10 @@ def test_ranks_compare_every_knob():
                "keep_ramp_rounds": 4, "sync_rounds": 2, "node_sync": True, "payload_dtype": "bf16", "overlap": True,
                "overlap_steps": 2, "overlap_after_freeze": False, "rho3": 0.1, "rack_tier": False,
                "acceleration": "fast-admm", "outer_momentum": 0.9, "retrain": "average",
-               "channel_budget": "global", "budget_floor": 0.2}
+               "channel_budget": "global", "budget_floor": 0.2, "keep_start_norm": True}
     assert set(changed) == set(KNOBS)
-    needs = {"overlap_steps": {"overlap": True}}   # a knob that only means something with another
+    # a knob that only means something with another
+    needs = {"overlap_steps": {"overlap": True}, "keep_start_norm": {"freeze_round": 0}}
     for name, value in changed.items():
         other = dataclasses.replace(dataclasses.replace(base, **needs.get(name, {})), **{name: value})
         if name in needs:   # compared against the base with its prerequisite only
@@ -118,7 +123,7 @@ def test_ranks_compare_every_knob():
                           overlap_steps="round", overlap_after_freeze="round", rho3="rho",
                           acceleration="round", outer_momentum="round",
                           rack_tier="round", retrain="freezing", channel_budget="freezing",
-                          budget_floor="freezing").get(name, name)}), name
+                          budget_floor="freezing", keep_start_norm="freezing").get(name, name)}), name
         agreed = base.agreement(Structure.resolve(model, base))
 
 

@@ -382,3 +382,50 @@ def test_tied_conv_weights_are_in_no_pair():
     assert dependencies.channel_couplings(model) == {"2.weight": "0.weight", "4.weight": "2.weight"}
     model[4].weight = model[0].weight
     assert dependencies.channel_couplings(model) == {}
+
+
+class Normalized(nn.Module):
+    """Each layer's output goes to: a BatchNorm (a), an activation (b), a GroupNorm over a biased conv (c), a
+    GroupNorm over an unbiased one (d), a BatchNorm and a shortcut both (e), a LayerNorm over an unbiased
+    linear (fc)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bna = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.c, self.gnc = nn.Conv2d(4, 4, 1), nn.GroupNorm(2, 4)
+        self.d, self.gnd = nn.Conv2d(4, 4, 1, bias=False), nn.GroupNorm(2, 4)
+        self.e, self.bne = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)
+        self.fc, self.ln = nn.Linear(4, 6, bias=False), nn.LayerNorm(6)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        x = self.gnd(self.d(self.gnc(self.c(torch.relu(self.b(self.bna(self.a(x))))))))
+        y = self.e(x)
+        x = self.bne(y) + y
+        return self.head(self.ln(self.fc(x.mean((2, 3)))))
+
+
+def test_normalized_layers_are_those_whose_scale_a_normalisation_undoes():
+    torch.manual_seed(0)
+    model = Normalized()
+    names = dependencies.normalized_layers(model)
+    assert names == ["a.weight", "d.weight", "fc.weight"]
+    x = torch.randn(4, 3, 6, 6)
+    for scale_of in (names, ["b.weight", "c.weight", "e.weight"]):
+        model.train()
+        before = model(x)
+        with torch.no_grad():
+            for n in scale_of:
+                model.get_parameter(n).mul_(3.0)
+        after = model(x)
+        with torch.no_grad():
+            for n in scale_of:
+                model.get_parameter(n).div_(3.0)
+        moved = float((before - after).abs().max() / before.abs().max())
+        assert (moved < 1e-2) == (scale_of is names), (scale_of, moved)   # (the norms' eps: not exactly 0)
+    resnet = build("resnet18")
+    assert sorted(dependencies.normalized_layers(resnet)) == sorted(f"{n}.weight" for n, m in resnet.named_modules()
+                                                                    if isinstance(m, nn.Conv2d))
+    with pytest.raises(ValueError, match="torch.fx can trace.*DataDependent"):
+        dependencies.normalized_layers(DataDependent())

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from engine_cases import SETTINGS as ENGINE_SETTINGS, make_model, model_state, rank_batch, sgd, snapshot
+from engine_cases import CHANNEL, SETTINGS as ENGINE_SETTINGS, make_model, model_state, rank_batch, sgd, snapshot
 from prunex_hvd.engine import admm
 from prunex_hvd.engine.config import ConsensusConfig
 from prunex_hvd.engine.hsadmm import HSADMM
@@ -256,3 +256,35 @@ def test_the_proximal_cache_is_built_once_where_the_masks_freeze(monkeypatch):
     frozen_at_start, at_start, frozen, rounds = run_ranks(1, 1, body)[0]
     assert frozen_at_start and at_start == [0]
     assert frozen and rounds == [[1], [2]]
+
+
+def test_keep_start_norm_scales_the_start_projection_back_to_the_initial_norm():
+    """keep_start_norm: z = Π_S(θ0)·|θ0| / |Π_S(θ0)| for each pruned weight a BatchNorm takes alone (both convs
+    of the chain), the same masks as without it, θ = z on every rank, the head untouched, and the model computing
+    the same function (train mode) as the unscaled pruned one."""
+    theta0 = {n: p.detach().clone() for n, p in make_model().named_parameters()}
+    models = {(keep, r): make_model(rank=r) for keep in (False, True) for r in range(4)}   # (the global RNG)
+    x, _ = rank_batch(0)
+
+    def body(rank):
+        out = {}
+        for keep in (False, True):
+            model = models[keep, rank.topo.rank]
+            eng = engine(rank, model, CHANNEL, freeze_round=0, keep_start_norm=keep)
+            out[keep] = (snapshot(eng), [(e.name, e.rows.clone(), e.cols.clone()) for e in eng.structured],
+                         model.train()(x).detach(), {n: p.detach().clone() for n, p in model.named_parameters()})
+        return out
+    for got in run_ranks(2, 2, body):
+        (plain, masks, y_plain, params_plain), (scaled, masks_scaled, y_scaled, params) = got[False], got[True]
+        assert all(a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+                   for a, b in zip(masks, masks_scaled))
+        for name in params:
+            if name in CHANNEL:
+                factor = float(theta0[name].double().norm()) / float(plain["z"][name].double().norm())
+                assert factor > 1.2   # half the input channels: about half the squared norm gone
+                assert torch.allclose(scaled["z"][name], plain["z"][name] * factor, rtol=1e-6, atol=0)
+            else:
+                assert torch.equal(scaled["z"][name], plain["z"][name]), name
+            assert torch.equal(params[name], scaled["z"][name].to(params[name].dtype)), name
+            assert torch.equal(scaled["z_i"][name], scaled["z"][name]), name
+        assert torch.allclose(y_scaled, y_plain, rtol=1e-3, atol=1e-4), (y_scaled - y_plain).abs().max()

@@ -63,7 +63,7 @@ import torch
 
 from ..dist import watchdog
 from ..dist.comm.accounting import ledger as default_ledger, ring_cross_node_bytes
-from . import admm, compact_compute, sparsity
+from . import admm, compact_compute, dependencies, sparsity
 from .buckets import BucketLayout
 from .config import PAYLOAD_DTYPES, ConsensusConfig, Structure
 
@@ -159,6 +159,8 @@ class HSADMM:
         self.budget_layers = sparsity.own_channel_layers(structure.specs, self.couplings, self.streams) \
             if config.channel_budget == "global" else []
         self.heads = list(structure.heads)           # attention modules whose heads are kept or dropped whole
+        # keep_start_norm: the layers whose scale a normalisation after them undoes
+        self.normalized = set(dependencies.normalized_layers(model)) if config.keep_start_norm else set()
         self.bucket_bytes = int(config.bucket_mb * 2**20)
         self.ledger = ledger or default_ledger()
         params = [(n, p) for n, p in model.named_parameters()]
@@ -1042,9 +1044,36 @@ class HSADMM:
         stays θ0, as after a later freeze). The rounds are then those after a freeze from the first (docs/algorithm.md, "Masks
         chosen at the start")."""
         self._freeze(refresh=False)
+        if self.config.keep_start_norm:
+            self._keep_start_norm()
         self._start_from_frozen_z()
         self._refresh_prox()
         self._set_compact_compute()
+
+    def _keep_start_norm(self) -> None:
+        """``keep_start_norm``: z ← z · ‖θ0‖ / ‖Π_S(θ0)‖ for each structured weight whose output a normalisation
+        takes alone (:func:`~prunex_hvd.engine.dependencies.normalized_layers`). The model computes the same
+        function; under SGD such a weight moves by lr / ‖W‖² in angle, and the projection keeps about K of the
+        squared norm at ``channel:K`` (the largest half of single weights keeps ~93% at K = 0.5), so unscaled
+        the pruned layers start at 1/K times the unpruned layer's effective lr. θ0 = the broadcast start."""
+        scaled = []
+        with torch.no_grad():
+            for e in self.structured:
+                if e.name not in self.normalized:
+                    continue
+                kept = float(e.z.double().norm())
+                if kept > 0:
+                    factor = float(e.param.detach().double().norm()) / kept
+                    e.z.mul_(factor)
+                    scaled.append(factor)
+        if self.topo.rank == 0:
+            if scaled:
+                log.info("keep_start_norm: %d of %d pruned weights scaled back to their initial norm (x%.2f to "
+                         "x%.2f)", len(scaled), len(self.structured), min(scaled), max(scaled))
+            else:
+                log.warning("keep_start_norm: no pruned weight's output goes into a normalisation alone "
+                            "(BatchNorm, InstanceNorm; GroupNorm or LayerNorm after a layer without bias), so "
+                            "nothing was scaled")
 
     def _start_from_frozen_z(self) -> None:
         """Where the steps start after the freeze at the start, and after a round of the synchronous phase once
