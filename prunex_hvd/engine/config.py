@@ -275,9 +275,9 @@ class ConsensusConfig:
       the unpruned network's effective lr. Measured on the recipe, paired by seed (benchmarks/README, "The start's
       norm"): ResNet-18 on digits at 8×8 +5.35 points at epoch 1 [+2.26, +8.30] and +2.33 at epoch 2, 70% after 1.6
       epochs against 2.1, level at the end (98.92% against 98.75%, 8 seeds); but digits −8.4 at epochs 2 and 3
-      (95% 1.1 epochs later, level at the end; 8) and the synthetic task −8.0 at epoch 2 (4). A lower lr for the
-      pruned convs in the first epochs: on for a deep model that needs a warm-up at its lr, off where the warm-up
-      already costs the first epochs.
+      (95% 1.1 epochs later, level at the end; 8) and the synthetic task −8.0 at epoch 2 (4). In effect a lower lr
+      for the pruned convs in the first epochs: on for a deep model that needs a warm-up at its lr, off where the
+      warm-up already costs the first epochs.
     * ``masked_retrain`` — after freezing, keep θ on the frozen structure (gradients and weights masked): the
       paper's retraining phase, so the model trained from then on is the pruned model itself. Freeze early
       enough to leave epochs for it (the recipe: every round, from the start).
