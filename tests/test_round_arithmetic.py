@@ -275,7 +275,7 @@ def test_keep_start_norm_scales_the_start_projection_back_to_the_initial_norm():
                          model.train()(x).detach(), {n: p.detach().clone() for n, p in model.named_parameters()})
         return out
     for got in run_ranks(2, 2, body):
-        (plain, masks, y_plain, params_plain), (scaled, masks_scaled, y_scaled, params) = got[False], got[True]
+        (plain, masks, y_plain, _), (scaled, masks_scaled, y_scaled, params) = got[False], got[True]
         assert all(a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
                    for a, b in zip(masks, masks_scaled))
         for name in params:
