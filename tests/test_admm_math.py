@@ -173,3 +173,46 @@ def test_fast_admm_reaches_the_optimum_in_fewer_rounds():
     assert plain is not None and fast is not None, (plain, fast)
     assert fast < plain / 2, (fast, plain)
     torch.testing.assert_close(z_fast, z_plain, rtol=0, atol=1e-7)
+
+
+# -- PowerSGD's pieces (sync_powersgd_rank) --------------------------------------------------------------------
+
+def test_lowrank_compressible_at_most_halves_and_keeps_small_tensors_whole():
+    from prunex_hvd.engine import lowrank
+    assert lowrank.matrix_shape((12, 4, 3, 3)) == (12, 36) and lowrank.matrix_shape((7,)) == (7, 1)
+    assert lowrank.compressible(12, 36, 2)          # 2·48·2 = 192 <= 432
+    assert not lowrank.compressible(5, 12, 2)       # 2·17·2 = 68 > 60: sent whole
+    assert lowrank.compressible(5, 12, 1)           # 34 <= 60
+    assert not lowrank.compressible(7, 1, 1) and not lowrank.compressible(12, 36, 0)
+
+
+def test_lowrank_round_trip_is_the_projection_of_the_mean_and_keeps_the_rest_as_error():
+    """One power step by hand: P = orth(mean M_i Q), Q = mean M_iᵀ P, M̂ = P Qᵀ = P Pᵀ mean(M_i), each node's
+    error M_i − M̂; a matrix of rank <= r comes back exactly when P spans its columns."""
+    from prunex_hvd.engine import lowrank
+    g = torch.Generator().manual_seed(3)
+    ms = [torch.randn(6, 9, generator=g, dtype=torch.float64) for _ in range(3)]
+    q = lowrank.initial_q(9, 2, seed=5, dtype=torch.float64)
+    assert torch.equal(q, lowrank.initial_q(9, 2, seed=5, dtype=torch.float64))   # every node draws the same
+    p = lowrank.orthonormalize_(sum(lowrank.project(m, q) for m in ms) / 3)
+    torch.testing.assert_close(p.t() @ p, torch.eye(2, dtype=torch.float64))
+    q_new = sum(lowrank.back_project(m, p) for m in ms) / 3
+    mean = sum(ms) / 3
+    errors = [torch.empty_like(m) for m in ms]
+    outs = [lowrank.reconstruct_(m.clone(), p, q_new, e) for m, e in zip(ms, errors)]
+    torch.testing.assert_close(outs[0], p @ p.t() @ mean)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    for m, e in zip(ms, errors):
+        torch.testing.assert_close(e, m - outs[0])
+    low = torch.randn(6, 2, generator=g, dtype=torch.float64) @ torch.randn(2, 9, generator=g, dtype=torch.float64)
+    p = lowrank.orthonormalize_(lowrank.project(low, q))
+    torch.testing.assert_close(p @ lowrank.back_project(low, p).t(), low)
+
+
+def test_lowrank_orthonormalize_leaves_a_dead_direction_at_zero_not_nan():
+    from prunex_hvd.engine import lowrank
+    p = torch.zeros(5, 3)
+    p[:, 0] = torch.arange(5.0)
+    out = lowrank.orthonormalize_(p)
+    assert torch.isfinite(out).all() and torch.equal(out[:, 1:], torch.zeros(5, 2))
+    torch.testing.assert_close(out[:, 0].abs(), torch.arange(5.0) / torch.arange(5.0).norm())

@@ -35,6 +35,9 @@ KNOBS = ConsensusConfig.knob_names()
                                                    r"\(got 1\)"),
     ({"keep_start_norm": True}, r"keep_start_norm .*freeze_round=0 \(got None\)"),
     ({"sync_rounds": -1}, r"sync_rounds must be an integer >= 0, got -1"),
+    ({"sync_powersgd_rank": -1, "sync_rounds": 2}, r"sync_powersgd_rank must be an integer >= 0, got -1"),
+    ({"sync_powersgd_rank": 4}, r"sync_powersgd_rank=4 compresses the synchronous phase's gradients, and "
+                                r"sync_rounds=0 has no such phase"),
     ({"sync_rounds": 2, "freeze_round": 3, "keep_ramp_rounds": 2},
      r"sync_rounds=2 spends the first rounds synchronously.*keep_ramp_rounds=2"),
     ({"bucket_mb": 0}, r"bucket_mb must be a finite number > 0"),
@@ -102,10 +105,12 @@ def test_ranks_compare_every_knob():
                "keep_ramp_rounds": 4, "sync_rounds": 2, "node_sync": True, "payload_dtype": "bf16", "overlap": True,
                "overlap_steps": 2, "overlap_after_freeze": False, "rho3": 0.1, "rack_tier": False,
                "acceleration": "fast-admm", "outer_momentum": 0.9, "retrain": "average",
-               "channel_budget": "global", "budget_floor": 0.2, "keep_start_norm": True}
+               "channel_budget": "global", "budget_floor": 0.2, "keep_start_norm": True,
+               "sync_powersgd_rank": 4}
     assert set(changed) == set(KNOBS)
     # a knob that only means something with another
-    needs = {"overlap_steps": {"overlap": True}, "keep_start_norm": {"freeze_round": 0}}
+    needs = {"overlap_steps": {"overlap": True}, "keep_start_norm": {"freeze_round": 0},
+             "sync_powersgd_rank": {"sync_rounds": 2}}
     for name, value in changed.items():
         other = dataclasses.replace(dataclasses.replace(base, **needs.get(name, {})), **{name: value})
         if name in needs:   # compared against the base with its prerequisite only
@@ -123,7 +128,8 @@ def test_ranks_compare_every_knob():
                           overlap_steps="round", overlap_after_freeze="round", rho3="rho",
                           acceleration="round", outer_momentum="round",
                           rack_tier="round", retrain="freezing", channel_budget="freezing",
-                          budget_floor="freezing", keep_start_norm="freezing").get(name, name)}), name
+                          budget_floor="freezing", keep_start_norm="freezing",
+                          sync_powersgd_rank="round").get(name, name)}), name
         agreed = base.agreement(Structure.resolve(model, base))
 
 

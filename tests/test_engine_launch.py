@@ -47,6 +47,21 @@ def test_engine_mpirun_node_sync(tmp_path):
 
 
 @needs_mpirun
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_engine_mpirun_sync_phase_at_powersgd_rank(tmp_path, backend):
+    """sync_powersgd_rank under a real launch: the leaders exchange each matrix's P and Q every step of the
+    synchronous phase, and every rank of both nodes still steps on one gradient (the worker checks one θ
+    everywhere at each synchronous round, then the ADMM rounds against the reference; the math itself against a
+    single-process PowerSGD in test_engine_threads.py)."""
+    proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", backend, "--node-sync", "--sync-rounds", "2",
+                                    "--sync-powersgd-rank", "1", "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
+    results = worker_results(proc, tmp_path, "engine")
+    assert results[0]["checks"] == len(results) * cases.ROUNDS
+    leaders = [r for r in results if r["rank"] in (0, 2)]
+    assert all(r["ledger"]["inter"]["ops"] > 0 for r in leaders)
+
+
+@needs_mpirun
 @pytest.mark.parametrize("backend,model,payload", [("gloo", "vit", "bf16"), ("mpi", "mha", "fp32")])
 def test_engine_mpirun_attention_heads_and_mlp_neurons(tmp_path, backend, model, payload):
     """Beyond convs under a real launch: a ViT block (separate q/k/v) and nn.MultiheadAttention (packed), half

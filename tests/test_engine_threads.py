@@ -6,6 +6,7 @@ Every rank builds its engine on its own (rank 0's parameters are broadcast), tra
 snapshots its state before and after each round; the main thread then compares every rank's u, z_i, v, z, ρ,
 masks and BN buffers with ``reference.reference_round``, checks the model is the same everywhere after
 construction and after finalize(), and checks each rank's own ledger (tests/engine_cases.py)."""
+import dataclasses
 import json
 
 import pytest
@@ -16,6 +17,7 @@ import engine_cases as cases
 from prunex_hvd.dist.comm.threads import thread_cluster
 from prunex_hvd.engine.buckets import BucketLayout
 from prunex_hvd.engine.config import ConsensusConfig, Structure
+from prunex_hvd.engine import lowrank
 from prunex_hvd.engine.hsadmm import HSADMM
 from prunex_hvd.engine.sparsity import native
 from reference import reference_masks, released_rho
@@ -465,23 +467,64 @@ SYNC_RUNS = {"2x2-recipe": ((2, 2), "channel", dict(restart="global", node_sync=
 SYNC = 2
 
 
-def reference_sync_steps(runs, kind, masks, masked_steps, restart):
+def powersgd_mean(node_grads, masks, rank, memory):
+    """PowerSGD's mean of the nodes' gradients at ``rank``, written out for one process (Vogels et al. 2019, with
+    error feedback and Q carried from step to step): each gradient's GEMM view, its kept block where ``masks``
+    has the layer, is sent at rank ``rank`` if (rows + cols)·rank at most halves it, else whole. ``memory``
+    holds each node's error and the shared Q per parameter, across calls."""
+    out = {}
+    for k, name in enumerate(node_grads[0]):
+        full = node_grads[0][name]
+        keep = masks.get(name)
+        def block(g):
+            view = g.reshape(g.shape[0] if g.dim() else 1, -1)
+            return view[keep[0]][:, keep[1]] if keep is not None else view
+        blocks = [block(g[name]) for g in node_grads]
+        rows, cols = blocks[0].shape
+        if min(rows, cols) > rank and 2 * (rows + cols) * rank <= rows * cols:
+            if name not in memory:
+                memory[name] = ([torch.zeros(rows, cols) for _ in node_grads],
+                                torch.randn(cols, rank, generator=torch.Generator().manual_seed(k)))
+            errors, q = memory[name]
+            ms = [b + e for b, e in zip(blocks, errors)]
+            p = torch.linalg.qr(sum(m @ q for m in ms) / len(ms)).Q
+            q = sum(m.t() @ p for m in ms) / len(ms)
+            mean = p @ q.t()
+            memory[name] = ([m - mean for m in ms], q)
+        else:
+            mean = sum(blocks) / len(blocks)
+        if keep is not None:
+            grad = torch.zeros(full.shape[0], full.numel() // full.shape[0])
+            grad[keep[0].nonzero()[:, 0].unsqueeze(1), keep[1].nonzero()[:, 0]] = mean
+            out[name] = grad.view_as(full)
+        else:
+            out[name] = mean.reshape(full.shape)
+    return out
+
+
+def reference_sync_steps(runs, kind, masks, masked_steps, restart, nodes=None, powersgd_rank=0):
     """The synchronous phase in one process: one model and one SGD, each step on the mean of every rank's data
     gradient (each on its own batch), no proximal term; with ``masks`` (the structure frozen at the start) θ and the
     gradient on them after every step if ``masked_steps`` (``masked_retrain``), else θ put on them at each round
-    when it restarts. Returns θ before each of its rounds."""
+    when it restarts. With ``powersgd_rank`` the mean is :func:`powersgd_mean` of the ``nodes``' means. Returns θ
+    before each of its rounds."""
     model = cases.make_model(kind, 0)
     model.load_state_dict(runs[0]["start"])
     opt, params = cases.sgd(model), dict(model.named_parameters())
     batches = [cases.rank_batch(r) for r in range(len(runs))]
-    out = []
+    out, memory = [], {}
     for _ in range(SYNC):
         for _ in range(cases.LOCAL_STEPS):
             grads = {n: torch.zeros_like(p) for n, p in params.items()}
+            per_rank = []
             for x, y in batches:
                 g = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(params.values()))
+                per_rank.append(dict(zip(params, g)))
                 for n, gn in zip(params, g):
                     grads[n] += gn / len(batches)
+            if powersgd_rank:
+                node_grads = [{n: sum(per_rank[r][n] for r in ranks) / len(ranks) for n in params} for ranks in nodes]
+                grads = powersgd_mean(node_grads, masks if masked_steps else {}, powersgd_rank, memory)
             for n, p in params.items():
                 p.grad = grads[n] * _support(p, masks[n]) if masked_steps and n in masks else grads[n]
             opt.step()
@@ -547,6 +590,55 @@ def test_sync_rounds_are_synchronous_sgd_then_admm_from_there(run):
             continue
         sent = sum(rec.payload_bytes for rec in crossing)
         assert sent == each, (rank.topo.rank, sent)
+
+
+# sync_powersgd_rank: rank 2 sends the chain's convs as P and Q and its 5×12 head whole; rank 1 the head too
+POWERSGD_RUNS = {"2x2-recipe-r2": ((2, 2), 2, dict(restart="global", node_sync=True, payload_dtype="bf16",
+                                                  channel_budget="global", freeze_round=0)),
+                 "3x1-r1-dense-grads": ((3, 1), 1, {}),   # masks not frozen in the phase: whole gradients' views
+                 "4x2-racks-of-2-r1": ((4, 2, 2), 1, dict(freeze_round=0))}
+
+
+@pytest.mark.parametrize("run", list(POWERSGD_RUNS))
+def test_sync_powersgd_rank_is_powersgd_of_the_nodes_means(run):
+    """sync_powersgd_rank: in the synchronous phase every rank steps on PowerSGD's rank-r mean of the nodes' mean
+    gradients with error feedback (the single-process reference, :func:`powersgd_mean`), so every rank still holds
+    one θ, and the phase's rounds and the ADMM rounds after it are what they are without it; across nodes the
+    leaders send each compressed matrix's P and Q, (rows + cols)·r numbers, instead of its rows·cols."""
+    layout, rank, knobs = POWERSGD_RUNS[run]
+    per_rack = layout[2] if len(layout) == 3 else None
+    cluster, runs, _ = train_on_threads(*layout[:2], "chain", cases.CHANNEL, False, nodes_per_rack=per_rack,
+                                        sync_rounds=SYNC, sync_powersgd_rank=rank, **knobs)
+    node_ranks, eng = cluster[0].topo.node_ranks, runs[0]["engine"]
+    first = runs[0]["before"][0]
+    compact = first["frozen"] and eng.config.masked_retrain
+    want = reference_sync_steps(runs, "chain", first["masks"] if first["frozen"] else {}, eng.config.masked_retrain,
+                                eng.config.restart, nodes=node_ranks, powersgd_rank=rank)
+    plain = reference_sync_steps(runs, "chain", first["masks"] if first["frozen"] else {},
+                                 eng.config.masked_retrain, eng.config.restart)
+    for rnd in range(SYNC):
+        befores, afters = [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs]
+        cases.check_sync_round(rnd, befores, afters)
+        for r, before in enumerate(befores):
+            for name, theta in before["theta"].items():
+                cases.compare(f"round {rnd} rank {r} theta[{name}]", theta, want[rnd][name])
+    assert not torch.allclose(want[SYNC - 1]["3.weight"], plain[SYNC - 1]["3.weight"])   # it is not the plain mean
+    for rnd in range(SYNC, cases.ROUNDS):
+        cases.check_round(rnd, [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs],
+                          node_ranks, eng)
+    assert eng._lowrank is None   # the phase's error memory went with it
+    sent_per_step = 0
+    for e in eng.entries:
+        rows, cols = (len(e.row_idx), len(e.col_idx)) if compact and e.structured else \
+            lowrank.matrix_shape(e.param.shape)
+        sent_per_step += (rows + cols) * rank if lowrank.compressible(rows, cols, rank) else rows * cols
+    assert sent_per_step < sum(e.compact_numel() if compact else e.param.numel() for e in eng.entries)
+    each = SYNC * (cases.LOCAL_STEPS * sent_per_step + sum(b.numel() for _, b in eng.buffers)) * cases.FLOAT_BYTES
+    for rank_ in cluster:
+        crossing = [rec for rec in rank_.ledger.records if rec.tag == "sync-phase" and rec.tier == "inter"]
+        if per_rack or rank_.topo.local_rank:
+            continue
+        assert sum(rec.payload_bytes for rec in crossing) == each, rank_.topo.rank
 
 
 def chain_engines(**knobs):
@@ -678,14 +770,16 @@ def test_masks_frozen_at_the_start_resume_bit_for_bit(model_first):
     assert whole[0][2]["engine"]["frozen"] and whole[0][2]["engine"]["round"] == 2
 
 
+@pytest.mark.parametrize("powersgd_rank", [0, 1], ids=["whole", "powersgd-rank-1"])
 @pytest.mark.parametrize("take_at", [cases.LOCAL_STEPS, cases.LOCAL_STEPS + 1], ids=["round-1", "mid-round-2"])
-def test_sync_rounds_resume_bit_for_bit(take_at):
+def test_sync_rounds_resume_bit_for_bit(take_at, powersgd_rank):
     """sync_rounds=3 of 4, then an overlapped ADMM round (the recipe's other knobs, 2×2): state_dict() taken in
     the synchronous phase, after its first round or one step into its second, loaded into fresh engines, ends bit
-    for bit where the uninterrupted run ends."""
+    for bit where the uninterrupted run ends; with ``sync_powersgd_rank`` its Q and error memory are saved and
+    loaded with it (a resume at another rank is refused on every rank)."""
     native.module()
     config = ConsensusConfig(sparsity="channel:0.5", node_sync=True, payload_dtype="bf16", channel_budget="global",
-                             sync_rounds=3, overlap=True, overlap_after_freeze=False,
+                             sync_rounds=3, overlap=True, overlap_after_freeze=False, sync_powersgd_rank=powersgd_rank,
                              **dict(cases.SETTINGS, freeze_round=0))
     plain = resume_on_threads(config, 2, 2, take_at=None)
     whole = resume_on_threads(config, 2, 2, take_at=take_at)
@@ -695,6 +789,14 @@ def test_sync_rounds_resume_bit_for_bit(take_at):
         assert all(torch.equal(whole[r][0][k], resumed[r][0][k]) for k in whole[r][0]), f"rank {r}"
         assert plain[r][1] == whole[r][1], r
     assert whole[0][2]["engine"]["round"] == 1
+    saved = whole[0][2]["engine"]["sync_lowrank"]
+    assert (saved is not None) == bool(powersgd_rank)
+    if powersgd_rank:
+        assert saved["3.weight"]["q"].shape[1] == 1 and saved["3.weight"]["error"].abs().sum() > 0
+        other = dataclasses.replace(config, sync_powersgd_rank=2)
+        with pytest.raises(RankFailed, match="saved in the synchronous phase with sync_powersgd_rank=1, resumed "
+                                             "with 2"):
+            resume_on_threads(other, 2, 2, saved=[r[2] for r in whole], take_at=take_at)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])

@@ -71,6 +71,10 @@ def test_cifar10_from_the_pickle_layout(tmp_path, capsys):
     (["--method", "topk", "--coupled"], "--coupled is a PruneX option"),
     (["--method", "pactrain", "--coupled"], "--coupled is a PruneX option"),   # single weights: nothing to tie
     (["--method", "dense", "--coupled-streams"], "--coupled is a PruneX option"),
+    (["--method", "localsgd-hier", "--sync-rounds", "2", "--sync-powersgd-rank", "4"],
+     "--sync-powersgd-rank compresses PruneX's synchronous phase"),
+    (["--sync-powersgd-rank", "4"], "sync_powersgd_rank=4 compresses the synchronous phase's gradients, and "
+                                    "sync_rounds=0 has no such phase"),
     (["--sparsity", "head:0.5"], r"'head:K' needs attention modules"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, capsys, args, message):

@@ -277,6 +277,10 @@ class TrainConfig:
         if self.consensus.coupled and self.method not in ("prunex", "prunex-flat") and not structured_pactrain:
             raise ValueError(f"--coupled is a PruneX option (prunex, prunex-flat; pactrain with --pactrain-structure "
                              f"structured), not one of {self.method!r}")
+        if self.consensus.sync_powersgd_rank and self.method not in ("prunex", "prunex-flat"):
+            raise ValueError(f"--sync-powersgd-rank compresses PruneX's synchronous phase (prunex, prunex-flat); "
+                             f"{self.method!r} would run its phase with whole gradients: drop it, or use --method "
+                             f"prunex")
 
 
 def loss_diverges(loss: float, num_classes: int) -> bool:

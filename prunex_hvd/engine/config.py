@@ -61,6 +61,16 @@ class ConsensusConfig:
       (ResNet-18) and 4.5× (digits); on the emulated cluster at 100 Mbit/s 0.80 took 5.7× as long with it (one
       epoch of it: 3.3×; 3 seeds), reached little or no sooner in epochs. On slow links leave it off; on fast
       ones, where the bytes are cheap, it is the way to PacTrain's first epochs.
+    * ``sync_powersgd_rank`` — with ``sync_rounds``: the phase's gradient crosses nodes as PowerSGD's P and Q at
+      this rank, with error feedback (Vogels et al. 2019; docs/algorithm.md, "The phase at low rank"); a tensor
+      the rank would not shrink twofold travels whole. 0 (the default): the whole gradient. The rank decides it:
+      too low costs more than the phase buys. Measured (benchmarks/README, "The synchronous phase at low rank";
+      paired with the recipe): ResNet-18 on digits at 8×8, 4 seeds, rank 32 (9× fewer bytes a step) +5.1 / +5.6
+      points at epochs 1 / 2, within 1.5 of the whole phase at epochs 1 and 3 (−4.9 at 2), 1.3× the recipe's bytes a run
+      against the whole phase's 3.6×, but at 100 Mbit/s 1.58× the recipe's time to 0.80 (3 seeds); rank 16 −4.9 /
+      +4.9 at epochs 1 / 2 and 1.10× the time; rank 4 −8.1 / −13.0. digits (8 seeds) rank 8 −2.1 / +2.5 at epochs
+      1 / 2, rank 4 −2.4 / +0.2. Off; for a link where the whole phase is too dear and a tenth of the gradient
+      a step is not.
     * the wrapped optimizer's ``lr`` (not a knob here) — between rounds each rank steps on its own batch, as in
       local SGD: the lr that works for local SGD works here (the accuracy-per-epoch measurements use one lr,
       0.05, for every method). Without ``restart`` (the paper's round) a lower lr helped: with ResNet-18, 2×2
@@ -392,6 +402,8 @@ class ConsensusConfig:
     sync_rounds: int = _knob(0, "post-local SGD: the first N rounds average the gradients over the world every step "
                                 "(no proximal term) and only take θ as the consensus; ADMM from round N + 1",
                              agree="round")
+    sync_powersgd_rank: int = _knob(0, "the synchronous phase's inter-node gradient at this PowerSGD rank, with error "
+                                       "feedback (0: whole)", agree="round")
     keep_ramp_rounds: int = _knob(0, "rounds over which every keep ratio falls from 1 to its target (cubic); "
                                      "masks freeze only after it (0: target from round 1)", agree="freezing")
     node_sync: bool = _knob(False, "average gradients over the node's ranks before every step (fast links): each "
@@ -449,6 +461,11 @@ class ConsensusConfig:
         integer("freeze_patience", 1)
         integer("keep_ramp_rounds", 0)
         integer("sync_rounds", 0)
+        integer("sync_powersgd_rank", 0)
+        if self.sync_powersgd_rank and not self.sync_rounds:
+            raise ValueError(f"sync_powersgd_rank={self.sync_powersgd_rank} compresses the synchronous phase's "
+                             f"gradients, and sync_rounds=0 has no such phase: set sync_rounds >= 1, or leave the "
+                             f"rank at 0")
         if self.sync_rounds and self.keep_ramp_rounds:
             raise ValueError(f"sync_rounds={self.sync_rounds} spends the first rounds synchronously, with no mask "
                              f"computed; keep_ramp_rounds={self.keep_ramp_rounds} would lower the keep ratios over "

@@ -37,7 +37,8 @@ steps as one data-parallel worker.
 ``sync_rounds``: the first rounds are post-local SGD's synchronous phase. Every step averages the gradients over
 the world and adds no proximal term, so the ranks hold one θ, and such a round only takes it as the consensus
 (z = z_i = θ, the duals 0) and averages the float buffers (:meth:`HSADMM._sync_round`; docs/algorithm.md, "A
-synchronous start").
+synchronous start"). With ``sync_powersgd_rank`` the leaders send each gradient matrix as PowerSGD's P and Q
+(:meth:`HSADMM._lowrank_exchange`, :mod:`prunex_hvd.engine.lowrank`).
 
 Residuals count both tiers as consensus ADMM does (:mod:`prunex_hvd.engine.admm`):
 s_intra = ρ1√(P·Σ_i‖Δz_i‖²), s_inter = ρ2√M‖Δz‖. With one node (or ``hierarchical=False``) there is no inter-node tier: z = z_i, r_inter is
@@ -63,7 +64,7 @@ import torch
 
 from ..dist import watchdog
 from ..dist.comm.accounting import ledger as default_ledger, ring_cross_node_bytes
-from . import admm, compact_compute, dependencies, sparsity
+from . import admm, compact_compute, dependencies, lowrank, sparsity
 from .buckets import BucketLayout
 from .config import PAYLOAD_DTYPES, ConsensusConfig, Structure
 
@@ -134,6 +135,16 @@ class _InFlight:
     theta_sent: Optional[List[torch.Tensor]] = None   # θ as sent (restart: the fold rebases the steps since on z)
     received: bool = False
     steps_since: int = 0             # local steps taken since it started (overlap_steps folds it in)
+
+
+@dataclass
+class _LowRank:
+    """``sync_powersgd_rank``: one gradient matrix sent at low rank (:mod:`prunex_hvd.engine.lowrank`)."""
+    k: int                 # the entry
+    rows: int              # its GEMM view as sent (the compact block once the masks froze)
+    cols: int
+    q: torch.Tensor        # cols × r, the same on every rank: the last step's, the power iteration's start
+    error: torch.Tensor    # rows × cols, the node's error memory (the same on the node's ranks)
 
 
 NO_BYTES = {"inter": 0, "intra": 0, "inter_consensus": 0, "dense_inter": 0, "cross_rack": 0}
@@ -229,6 +240,7 @@ class HSADMM:
         self.bytes = dict(NO_BYTES)
         self._dense = self._layout([e.param.numel() for e in self.entries])
         self._grads: Optional[BucketLayout] = None   # node_sync's gradient buckets, made at the first step
+        self._lowrank: Optional[List[_LowRank]] = None   # sync_powersgd_rank's state, made at the phase's first step
         self._compact: Optional[BucketLayout] = None
         self._gathers: Dict[int, tuple] = {}   # entry -> (its bucket rows with a zero row, gather index)
         self._gathers_of: Optional[BucketLayout] = None   # the layout they index
@@ -337,7 +349,8 @@ class HSADMM:
 
         In the synchronous phase (``sync_rounds``) the node's mean then goes on to the leaders, who average it
         over the nodes and hand it back to their node (:meth:`_tree_`): every rank steps on the world's mean, as
-        under Horovod, whether or not ``node_sync`` is on.
+        under Horovod, whether or not ``node_sync`` is on; with ``sync_powersgd_rank``, on PowerSGD's low-rank
+        mean of the nodes' means (:meth:`_lowrank_exchange`).
 
         Once the masks are frozen (``masked_retrain``) only each structured weight's kept block travels: the
         pruned entries' gradients are masked right after anyway, so they come back 0 without being sent, and
@@ -363,8 +376,11 @@ class HSADMM:
                 self.groups.intra.allreduce_(buf, "avg")
         if world:   # the nodes' means averaged across nodes, back down each node
             with self.ledger.tagged("sync-phase"):
-                for buf in self._grads.buffers:
-                    self._tree_(buf, "avg")
+                if self.config.sync_powersgd_rank:
+                    self._lowrank_exchange(compact)
+                else:
+                    for buf in self._grads.buffers:
+                        self._tree_(buf, "avg")
         self._count_traffic(before)
         for k, e in enumerate(self.entries):
             mean = self._grads.views[k]
@@ -376,6 +392,51 @@ class HSADMM:
                 sparsity.recover(mean, e.row_idx, e.col_idx, e.param.shape, out=e.param.grad, plan=e.plan)
             else:
                 e.param.grad.copy_(mean.view_as(e.param))
+
+    def _lowrank_exchange(self, compact: bool) -> None:
+        """The synchronous phase's inter-node mean at rank r (``sync_powersgd_rank``): PowerSGD with error feedback,
+        steps 1–4 of :mod:`prunex_hvd.engine.lowrank`, on the node means in ``self._grads``. Each matrix's P, then
+        its Q, travel the hierarchy (one collective per bucket each); a tensor rank r would not shrink twofold
+        travels whole with the P's. Every rank of a node computes alike, so the node's ranks keep the same error
+        memory; Q is the same everywhere (drawn from the entry's index, then the nodes' mean)."""
+        r = self.config.sync_powersgd_rank
+        shapes = [(len(e.row_idx), len(e.col_idx)) if compact and e.structured else lowrank.matrix_shape(e.param.shape)
+                  for e in self.entries]
+        if self._lowrank is None or [(m.rows, m.cols) for m in self._lowrank] != \
+                [shapes[m.k] for m in self._lowrank]:   # the first step, or the freeze changed what is sent
+            self._lowrank = [_LowRank(k, rows, cols, lowrank.initial_q(cols, r, seed=k, dtype=self.state_dtype,
+                                                                       device=self.device),
+                                      torch.zeros(rows, cols, dtype=self.state_dtype, device=self.device))
+                             for k, (rows, cols) in enumerate(shapes) if lowrank.compressible(rows, cols, r)]
+        views = self._grads.views
+        low = {m.k for m in self._lowrank}
+        whole = [k for k in range(len(self.entries)) if k not in low]
+        # 1. M_i + e_i (in the state's dtype), 2. P_i = M_i Q, with the whole tensors
+        mats = []
+        for m in self._lowrank:
+            mat = views[m.k].view(m.rows, m.cols).to(self.state_dtype)
+            mats.append(mat.add_(m.error))
+        first = BucketLayout([m.rows * r for m in self._lowrank] + [views[k].numel() for k in whole],
+                             self.state_dtype, self.device, self.bucket_bytes)
+        for j, (m, mat) in enumerate(zip(self._lowrank, mats)):
+            lowrank.project(mat, m.q, out=first.views[j].view(m.rows, r))
+        for j, k in enumerate(whole, start=len(self._lowrank)):
+            first.views[j].copy_(views[k])
+        for buf in first.buffers:
+            self._tree_(buf, "avg")
+        for j, k in enumerate(whole, start=len(self._lowrank)):
+            views[k].copy_(first.views[j])
+        ps = [lowrank.orthonormalize_(first.views[j].view(m.rows, r)) for j, m in enumerate(self._lowrank)]
+        # 3. Q_i = M_iᵀ P, the nodes' mean
+        second = BucketLayout([m.cols * r for m in self._lowrank], self.state_dtype, self.device, self.bucket_bytes)
+        for j, (m, mat, p) in enumerate(zip(self._lowrank, mats, ps)):
+            lowrank.back_project(mat, p, out=second.views[j].view(m.cols, r))
+        for buf in second.buffers:
+            self._tree_(buf, "avg")
+        # 4. M̂ = P Qᵀ (every node's), e_i = M_i − M̂; Q kept for the next step
+        for j, (m, mat, p) in enumerate(zip(self._lowrank, mats, ps)):
+            m.q.copy_(second.views[j].view(m.cols, r))
+            views[m.k].view(m.rows, m.cols).copy_(lowrank.reconstruct_(mat, p, m.q, m.error))
 
     @property
     def _retraining_masked(self) -> bool:
@@ -547,7 +608,9 @@ class HSADMM:
            after a freeze), every dual and error feedback at 0, ẑ = z: the state a new engine would start from at
            θ, so the first ADMM round after the phase is round 1 from there; ρ held;
         3. the masks freeze if this is ``freeze_round``, chosen from θ (no mask is computed before: the
-           patience does not count these rounds)."""
+           patience does not count these rounds);
+        4. after the phase's last round, ``sync_powersgd_rank``'s error memory is dropped (what it still held
+           was never sent) with its Q."""
         t0, before = time.perf_counter(), self.ledger.summary(by_op=False)
         n = len(self.entries)
         flat = torch.cat([b.reshape(-1) for _, b in self.buffers]) if self.buffers else \
@@ -592,6 +655,8 @@ class HSADMM:
                         e.z_hat, e.z_prev = e.z.clone(), e.z.clone()
         if self.frozen:
             self._start_from_frozen_z()
+        if not self.syncing:                                           # 4.
+            self._lowrank = None
         self._refresh_prox()
         self._set_compact_compute()
         return self._report(before, time.perf_counter() - t0, None, 0.0)
@@ -1360,6 +1425,8 @@ class HSADMM:
             "round_buffers": {name: b.clone() for (name, _), b in zip(self.buffers, self._round_buffers)},
             "buffer_ef": {name: ef.clone() for (name, _), ef in zip(self.buffers, self._buffer_ef)},
             "buffer_ef_spine": {name: ef.clone() for (name, _), ef in zip(self.buffers, self._buffer_ef_spine)},
+            "sync_lowrank": None if self._lowrank is None else
+            {self.entries[m.k].name: {"q": m.q.clone(), "error": m.error.clone()} for m in self._lowrank},
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -1412,6 +1479,7 @@ class HSADMM:
         for (name, _), ef in zip(self.buffers, self._buffer_ef_spine):
             ef.copy_(saved_ef[name] if name in saved_ef else torch.zeros_like(ef))
         self._compact = self._support = self._grads = None
+        self._load_lowrank(sd.get("sync_lowrank"))
         self._in_flight = None
         if sd.get("in_flight") is not None:
             if not self.overlap:
@@ -1420,6 +1488,23 @@ class HSADMM:
             self._load_in_flight(sd["in_flight"])
         self._refresh_prox()
         self._set_compact_compute(afresh=True)   # from the loaded state and θ (load the model's first)
+
+    def _load_lowrank(self, saved: Optional[dict]) -> None:
+        """``sync_powersgd_rank``'s Q and error memory as saved in the synchronous phase (None: none held)."""
+        self._lowrank = None
+        if saved is None:
+            return
+        r = self.config.sync_powersgd_rank
+        ranks = {int(s["q"].shape[1]) for s in saved.values()}
+        if not r or (ranks and ranks != {r}):
+            raise ValueError(f"engine state: saved in the synchronous phase with sync_powersgd_rank="
+                             f"{sorted(ranks)[0] if ranks else 'a rank'}, resumed with {r}: resume with the same rank (its "
+                             f"error memory is state)")
+        index = {e.name: k for k, e in enumerate(self.entries)}
+        self._lowrank = [_LowRank(index[name], int(s["error"].shape[0]), int(s["error"].shape[1]),
+                                  s["q"].to(self.device, self.state_dtype).clone(),
+                                  s["error"].to(self.device, self.state_dtype).clone())
+                         for name, s in saved.items()]
 
     def _load_in_flight(self, s: dict) -> None:
         """A checkpoint's round in flight, already received: folded in at the next round (or complete())."""

@@ -45,6 +45,8 @@ def main():
     ap.add_argument("--fixed-rho", action="store_true", help="every rho held (fast ADMM's momentum then builds)")
     ap.add_argument("--sync-rounds", type=int, default=0,
                     help="the first rounds synchronous (every step on the world's mean gradient; z = θ there)")
+    ap.add_argument("--sync-powersgd-rank", type=int, default=0,
+                    help="the synchronous phase's inter-node gradient at this PowerSGD rank")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
@@ -59,7 +61,7 @@ def main():
                                   coupled=a.coupled, node_sync=a.node_sync, payload_dtype=a.payload_dtype,
                                   overlap=a.overlap, overlap_steps=a.overlap_steps,
                                   overlap_after_freeze=a.overlap_after_freeze, acceleration=a.acceleration,
-                                  sync_rounds=a.sync_rounds,
+                                  sync_rounds=a.sync_rounds, sync_powersgd_rank=a.sync_powersgd_rank,
                                   **dict(cases.SETTINGS, freeze_round=a.freeze_round,
                                          adaptive_rho=not a.fixed_rho))
     eng = opt._engine
