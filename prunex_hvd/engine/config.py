@@ -65,11 +65,11 @@ class ConsensusConfig:
       this rank, with error feedback (Vogels et al. 2019; docs/algorithm.md, "The phase at low rank"); a tensor
       the rank would not shrink twofold travels whole. 0 (the default): the whole gradient. The rank decides it:
       too low costs more than the phase buys. Measured (benchmarks/README, "The synchronous phase at low rank";
-      paired with the recipe): ResNet-18 on digits at 8×8, 4 seeds, rank 32 (9× fewer bytes a step) +5.1 / +5.6
+      paired with the recipe): ResNet-18 on digits at 8×8, 4 seeds, rank 32 (6.4× fewer bytes a step) +5.1 / +5.6
       points at epochs 1 / 2, within 1.5 of the whole phase at epochs 1 and 3 (−4.9 at 2), 1.3× the recipe's bytes a run
       against the whole phase's 3.6×, but at 100 Mbit/s 1.58× the recipe's time to 0.80 (3 seeds); rank 16 −4.9 /
       +4.9 at epochs 1 / 2 and 1.10× the time; rank 4 −8.1 / −13.0. digits (8 seeds) rank 8 −2.1 / +2.5 at epochs
-      1 / 2, rank 4 −2.4 / +0.2. Off; for a link where the whole phase is too dear and a tenth of the gradient
+      1 / 2, rank 4 −2.4 / +0.2. Off; for a link where the whole phase is too dear and a sixth of the gradient
       a step is not.
     * the wrapped optimizer's ``lr`` (not a knob here) — between rounds each rank steps on its own batch, as in
       local SGD: the lr that works for local SGD works here (the accuracy-per-epoch measurements use one lr,
