@@ -69,8 +69,8 @@ class ConsensusConfig:
       points at epochs 1 / 2, within 1.5 of the whole phase at epochs 1 and 3 (−4.9 at 2), 1.3× the recipe's bytes a run
       against the whole phase's 3.6×, but at 100 Mbit/s 1.58× the recipe's time to 0.80 (3 seeds); rank 16 −4.9 /
       +4.9 at epochs 1 / 2 and 1.10× the time; rank 4 −8.1 / −13.0. digits (8 seeds) rank 8 −2.1 / +2.5 at epochs
-      1 / 2, rank 4 −2.4 / +0.2. Off; for a link where the whole phase is too dear and a sixth of the gradient
-      a step is not.
+      1 / 2, rank 4 −2.4 / +0.2; synthetic (4) rank 8 −1.7 / +1.4 at epochs 2 / 3, the same epochs to every
+      target. Off; for a link where the whole phase is too dear and a sixth of the gradient a step is not.
     * the wrapped optimizer's ``lr`` (not a knob here) — between rounds each rank steps on its own batch, as in
       local SGD: the lr that works for local SGD works here (the accuracy-per-epoch measurements use one lr,
       0.05, for every method). Without ``restart`` (the paper's round) a lower lr helped: with ResNet-18, 2×2
