@@ -58,7 +58,7 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -139,12 +139,15 @@ class _InFlight:
 
 @dataclass
 class _LowRank:
-    """``sync_powersgd_rank``: one gradient matrix sent at low rank (:mod:`prunex_hvd.engine.lowrank`)."""
-    k: int                 # the entry
-    rows: int              # its GEMM view as sent (the compact block once the masks froze)
-    cols: int
-    q: torch.Tensor        # cols × r, the same on every rank: the last step's, the power iteration's start
-    error: torch.Tensor    # rows × cols, the node's error memory (the same on the node's ranks)
+    """``sync_powersgd_rank``'s state for one shape of what is sent (:mod:`prunex_hvd.engine.lowrank`), with the
+    buckets its two exchanges reuse every step."""
+    shapes: List[Tuple[int, int]]   # every entry's GEMM view as sent (the compact block once the masks froze)
+    low: List[int]                  # the entries sent as P and Q
+    whole: List[int]                # the others, sent whole beside the P's
+    qs: List[torch.Tensor]          # per low entry, cols × r, the same on every rank: the power iteration's start
+    errors: List[torch.Tensor]      # per low entry, rows × cols: the node's error memory (the same on its ranks)
+    first: BucketLayout             # the P's, then the whole tensors
+    second: BucketLayout            # the Q's
 
 
 NO_BYTES = {"inter": 0, "intra": 0, "inter_consensus": 0, "dense_inter": 0, "cross_rack": 0}
@@ -240,7 +243,7 @@ class HSADMM:
         self.bytes = dict(NO_BYTES)
         self._dense = self._layout([e.param.numel() for e in self.entries])
         self._grads: Optional[BucketLayout] = None   # node_sync's gradient buckets, made at the first step
-        self._lowrank: Optional[List[_LowRank]] = None   # sync_powersgd_rank's state, made at the phase's first step
+        self._lowrank: Optional[_LowRank] = None   # sync_powersgd_rank's state, made at the phase's first step
         self._compact: Optional[BucketLayout] = None
         self._gathers: Dict[int, tuple] = {}   # entry -> (its bucket rows with a zero row, gather index)
         self._gathers_of: Optional[BucketLayout] = None   # the layout they index
@@ -400,43 +403,60 @@ class HSADMM:
         travels whole with the P's. Every rank of a node computes alike, so the node's ranks keep the same error
         memory; Q is the same everywhere (drawn from the entry's index, then the nodes' mean)."""
         r = self.config.sync_powersgd_rank
-        shapes = [(len(e.row_idx), len(e.col_idx)) if compact and e.structured else lowrank.matrix_shape(e.param.shape)
-                  for e in self.entries]
-        if self._lowrank is None or [(m.rows, m.cols) for m in self._lowrank] != \
-                [shapes[m.k] for m in self._lowrank]:   # the first step, or the freeze changed what is sent
-            self._lowrank = [_LowRank(k, rows, cols, lowrank.initial_q(cols, r, seed=k, dtype=self.state_dtype,
-                                                                       device=self.device),
-                                      torch.zeros(rows, cols, dtype=self.state_dtype, device=self.device))
-                             for k, (rows, cols) in enumerate(shapes) if lowrank.compressible(rows, cols, r)]
-        views = self._grads.views
-        low = {m.k for m in self._lowrank}
-        whole = [k for k in range(len(self.entries)) if k not in low]
+        shapes = self._sent_shapes(compact)
+        if self._lowrank is None or self._lowrank.shapes != shapes:   # the first step, or the freeze changed them
+            self._lowrank = self._new_lowrank(shapes)
+        state, views = self._lowrank, self._grads.views
+        first, second, n = state.first, state.second, len(state.low)
         # 1. M_i + e_i (in the state's dtype), 2. P_i = M_i Q, with the whole tensors
-        mats = []
-        for m in self._lowrank:
-            mat = views[m.k].view(m.rows, m.cols).to(self.state_dtype)
-            mats.append(mat.add_(m.error))
-        first = BucketLayout([m.rows * r for m in self._lowrank] + [views[k].numel() for k in whole],
-                             self.state_dtype, self.device, self.bucket_bytes)
-        for j, (m, mat) in enumerate(zip(self._lowrank, mats)):
-            lowrank.project(mat, m.q, out=first.views[j].view(m.rows, r))
-        for j, k in enumerate(whole, start=len(self._lowrank)):
+        mats = [views[k].view(shapes[k]).to(self.state_dtype).add_(err) for k, err in zip(state.low, state.errors)]
+        for j, (mat, q) in enumerate(zip(mats, state.qs)):
+            lowrank.project(mat, q, out=first.views[j].view(-1, r))
+        for j, k in enumerate(state.whole, start=n):
             first.views[j].copy_(views[k])
         for buf in first.buffers:
             self._tree_(buf, "avg")
-        for j, k in enumerate(whole, start=len(self._lowrank)):
+        for j, k in enumerate(state.whole, start=n):
             views[k].copy_(first.views[j])
-        ps = [lowrank.orthonormalize_(first.views[j].view(m.rows, r)) for j, m in enumerate(self._lowrank)]
+        ps = [lowrank.orthonormalize_(first.views[j].view(-1, r)) for j in range(n)]
         # 3. Q_i = M_iᵀ P, the nodes' mean
-        second = BucketLayout([m.cols * r for m in self._lowrank], self.state_dtype, self.device, self.bucket_bytes)
-        for j, (m, mat, p) in enumerate(zip(self._lowrank, mats, ps)):
-            lowrank.back_project(mat, p, out=second.views[j].view(m.cols, r))
+        for j, (mat, p) in enumerate(zip(mats, ps)):
+            lowrank.back_project(mat, p, out=second.views[j].view(-1, r))
         for buf in second.buffers:
             self._tree_(buf, "avg")
         # 4. M̂ = P Qᵀ (every node's), e_i = M_i − M̂; Q kept for the next step
-        for j, (m, mat, p) in enumerate(zip(self._lowrank, mats, ps)):
-            m.q.copy_(second.views[j].view(m.cols, r))
-            views[m.k].view(m.rows, m.cols).copy_(lowrank.reconstruct_(mat, p, m.q, m.error))
+        for j, (k, mat, p, q, err) in enumerate(zip(state.low, mats, ps, state.qs, state.errors)):
+            q.copy_(second.views[j].view(-1, r))
+            views[k].view(shapes[k]).copy_(lowrank.reconstruct_(mat, p, q, err))
+
+    def _sent_shapes(self, compact: bool) -> List[Tuple[int, int]]:
+        """Each entry's gradient as the synchronous phase sends it, in its GEMM view: the kept block once the masks
+        are frozen (``compact``), else the whole parameter."""
+        return [(len(e.row_idx), len(e.col_idx)) if compact and e.structured else lowrank.matrix_shape(e.param.shape)
+                for e in self.entries]
+
+    def _new_lowrank(self, shapes: List[Tuple[int, int]], saved: Optional[dict] = None) -> _LowRank:
+        """``sync_powersgd_rank``'s state for ``shapes``: Q drawn from each entry's index and the error memory at 0,
+        or both from a checkpoint's ``saved`` (refused, on every rank, if saved at another rank)."""
+        r = self.config.sync_powersgd_rank
+        low = [k for k, (rows, cols) in enumerate(shapes) if lowrank.compressible(rows, cols, r)]
+        if saved is None:
+            qs = [lowrank.initial_q(shapes[k][1], r, seed=k, dtype=self.state_dtype, device=self.device) for k in low]
+            errors = [torch.zeros(shapes[k], dtype=self.state_dtype, device=self.device) for k in low]
+        else:
+            ranks = {int(s["q"].shape[1]) for s in saved.values()}
+            if not r or sorted(saved) != sorted(self.entries[k].name for k in low) or (ranks and ranks != {r}):
+                raise ValueError(f"engine state: saved in the synchronous phase with sync_powersgd_rank="
+                                 f"{sorted(ranks)[0] if ranks else 'a rank'}, resumed with {r}: resume with the same "
+                                 f"rank (its error memory is state)")
+            qs, errors = ([saved[self.entries[k].name][key].to(self.device, self.state_dtype).clone() for k in low]
+                          for key in ("q", "error"))
+        whole = [k for k in range(len(shapes)) if k not in set(low)]
+        return _LowRank(shapes, low, whole, qs, errors,
+                        first=BucketLayout([shapes[k][0] * r for k in low] + [math.prod(shapes[k]) for k in whole],
+                                           self.state_dtype, self.device, self.bucket_bytes),
+                        second=BucketLayout([shapes[k][1] * r for k in low], self.state_dtype, self.device,
+                                            self.bucket_bytes))
 
     @property
     def _retraining_masked(self) -> bool:
@@ -1426,7 +1446,8 @@ class HSADMM:
             "buffer_ef": {name: ef.clone() for (name, _), ef in zip(self.buffers, self._buffer_ef)},
             "buffer_ef_spine": {name: ef.clone() for (name, _), ef in zip(self.buffers, self._buffer_ef_spine)},
             "sync_lowrank": None if self._lowrank is None else
-            {self.entries[m.k].name: {"q": m.q.clone(), "error": m.error.clone()} for m in self._lowrank},
+            {self.entries[k].name: {"q": q.clone(), "error": err.clone()}
+             for k, q, err in zip(self._lowrank.low, self._lowrank.qs, self._lowrank.errors)},
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -1479,7 +1500,9 @@ class HSADMM:
         for (name, _), ef in zip(self.buffers, self._buffer_ef_spine):
             ef.copy_(saved_ef[name] if name in saved_ef else torch.zeros_like(ef))
         self._compact = self._support = self._grads = None
-        self._load_lowrank(sd.get("sync_lowrank"))
+        lowrank_saved = sd.get("sync_lowrank")   # Q and the error memory, saved in the synchronous phase
+        self._lowrank = None if lowrank_saved is None else \
+            self._new_lowrank(self._sent_shapes(self._retraining_masked), lowrank_saved)
         self._in_flight = None
         if sd.get("in_flight") is not None:
             if not self.overlap:
@@ -1488,23 +1511,6 @@ class HSADMM:
             self._load_in_flight(sd["in_flight"])
         self._refresh_prox()
         self._set_compact_compute(afresh=True)   # from the loaded state and θ (load the model's first)
-
-    def _load_lowrank(self, saved: Optional[dict]) -> None:
-        """``sync_powersgd_rank``'s Q and error memory as saved in the synchronous phase (None: none held)."""
-        self._lowrank = None
-        if saved is None:
-            return
-        r = self.config.sync_powersgd_rank
-        ranks = {int(s["q"].shape[1]) for s in saved.values()}
-        if not r or (ranks and ranks != {r}):
-            raise ValueError(f"engine state: saved in the synchronous phase with sync_powersgd_rank="
-                             f"{sorted(ranks)[0] if ranks else 'a rank'}, resumed with {r}: resume with the same rank (its "
-                             f"error memory is state)")
-        index = {e.name: k for k, e in enumerate(self.entries)}
-        self._lowrank = [_LowRank(index[name], int(s["error"].shape[0]), int(s["error"].shape[1]),
-                                  s["q"].to(self.device, self.state_dtype).clone(),
-                                  s["error"].to(self.device, self.state_dtype).clone())
-                         for name, s in saved.items()]
 
     def _load_in_flight(self, s: dict) -> None:
         """A checkpoint's round in flight, already received: folded in at the next round (or complete())."""

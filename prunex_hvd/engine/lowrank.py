@@ -15,6 +15,7 @@ travels whole, as in PyTorch's ``powerSGD_hook`` (whose bucket/process-group plu
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -25,10 +26,7 @@ MIN_COMPRESSION = 2.0   # PyTorch's powerSGD_hook default: a matrix is compresse
 def matrix_shape(shape: Sequence[int]) -> Tuple[int, int]:
     """The GEMM view of a gradient of ``shape``: (rows, everything else)."""
     rows = int(shape[0]) if len(shape) else 1
-    numel = 1
-    for d in shape:
-        numel *= int(d)
-    return rows, (numel // rows if rows else 0)
+    return rows, (math.prod(shape) // rows if rows else 0)
 
 
 def compressible(rows: int, cols: int, rank: int) -> bool:
