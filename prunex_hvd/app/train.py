@@ -77,7 +77,8 @@ AUTO_RELEASE = 1 / 3  # --rho2-release-round auto: ρ2 balanced for the first th
 # Capped at an eighth of the run so that a short one still trains mostly at its full lr.
 AUTO_WARMUP_EPOCHS = 2.0
 AUTO_WARMUP_MAX_FRACTION = 1 / 8
-WARMED_UP_METHODS = ("prunex", "prunex-flat")
+PRUNEX_METHODS = ("prunex", "prunex-flat")
+WARMED_UP_METHODS = PRUNEX_METHODS
 # A training loss above this many times a uniform guess's, ln(classes), means the lr diverges on each worker's batch:
 # ResNet-18 on digits at 8×8, lr 0.05, a node's batch of 32, no warm-up: 3.9-5.0 in the first rounds for PruneX and
 # hierarchical local SGD (ln 10 = 2.30), at most 3.2 with the two-epoch warm-up (8% under the 3.45 this sets),
@@ -274,10 +275,10 @@ class TrainConfig:
         if self.method not in methods.METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(methods.METHODS)}")
         structured_pactrain = self.method == "pactrain" and self.pactrain_structure == "structured"
-        if self.consensus.coupled and self.method not in ("prunex", "prunex-flat") and not structured_pactrain:
+        if self.consensus.coupled and self.method not in PRUNEX_METHODS and not structured_pactrain:
             raise ValueError(f"--coupled is a PruneX option (prunex, prunex-flat; pactrain with --pactrain-structure "
                              f"structured), not one of {self.method!r}")
-        if self.consensus.sync_powersgd_rank and self.method not in ("prunex", "prunex-flat"):
+        if self.consensus.sync_powersgd_rank and self.method not in PRUNEX_METHODS:
             raise ValueError(f"--sync-powersgd-rank compresses PruneX's synchronous phase (prunex, prunex-flat); "
                              f"{self.method!r} would run its phase with whole gradients: drop it, or use --method "
                              f"prunex")
@@ -453,7 +454,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         logging.getLogger("prunex_hvd").info(
             "%s: the lr warms up linearly to %g over the first %g epoch(s) (--warmup-epochs auto; 0 turns it off)",
             cfg.method, cfg.lr, cfg.warmup_epochs)
-    if is_main and cfg.round_pull is not None and cfg.method in WARMED_UP_METHODS:
+    if is_main and cfg.round_pull is not None and cfg.method in PRUNEX_METHODS:
         logging.getLogger("prunex_hvd").info(
             "%s: rho balanced up to %.3g (--rho-max auto: %g x (1 - momentum %g) / (lr %g x %d local steps), "
             "not below the starting rho's; --rho-max N sets it)", cfg.method, cfg.consensus.rho_max, cfg.round_pull,

@@ -58,7 +58,7 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -173,8 +173,6 @@ class HSADMM:
         self.budget_layers = sparsity.own_channel_layers(structure.specs, self.couplings, self.streams) \
             if config.channel_budget == "global" else []
         self.heads = list(structure.heads)           # attention modules whose heads are kept or dropped whole
-        # keep_start_norm: the layers whose scale a normalisation after them undoes
-        self.normalized = set(dependencies.normalized_layers(model)) if config.keep_start_norm else set()
         self.bucket_bytes = int(config.bucket_mb * 2**20)
         self.ledger = ledger or default_ledger()
         params = [(n, p) for n, p in model.named_parameters()]
@@ -255,7 +253,7 @@ class HSADMM:
         self._in_flight: Optional[_InFlight] = None
         self.exchange_wait_s = 0.0   # time ranks waited on the consensus exchange, all rounds
         if config.freeze_round == 0:   # masks chosen at the start: every round trains the pruned model
-            self._freeze_at_start()
+            self._freeze_at_start(model)
         else:
             self._refresh_prox()
 
@@ -1122,7 +1120,7 @@ class HSADMM:
             log.info("%s, density %.3f of the structured weights%s", when, self.density(),
                      "; from now on the rounds average (retrain='average')" if self.averaging else "")
 
-    def _freeze_at_start(self) -> None:
+    def _freeze_at_start(self, model: torch.nn.Module) -> None:
         """``freeze_round=0``: the masks are Π_S's support on the start point θ0, the same on every rank after the
         broadcast (so chosen with no collective), frozen before any step; z = z_i = Π_S(θ0), the duals at 0, ρ as
         configured, and θ = Π_S(θ0) too unless neither ``masked_retrain`` nor a restart would move it (then it
@@ -1130,12 +1128,12 @@ class HSADMM:
         chosen at the start")."""
         self._freeze(refresh=False)
         if self.config.keep_start_norm:
-            self._keep_start_norm()
+            self._keep_start_norm(set(dependencies.normalized_layers(model)))
         self._start_from_frozen_z()
         self._refresh_prox()
         self._set_compact_compute()
 
-    def _keep_start_norm(self) -> None:
+    def _keep_start_norm(self, normalized: Set[str]) -> None:
         """``keep_start_norm``: z ← z · ‖θ0‖ / ‖Π_S(θ0)‖ for each structured weight whose output a normalisation
         takes alone (:func:`~prunex_hvd.engine.dependencies.normalized_layers`). The model computes the same
         function; under SGD such a weight moves by lr / ‖W‖² in angle, and the projection keeps a fraction κ of
@@ -1145,7 +1143,7 @@ class HSADMM:
         scaled = []
         with torch.no_grad():
             for e in self.structured:
-                if e.name not in self.normalized:
+                if e.name not in normalized:
                     continue
                 kept = float(e.z.double().norm())
                 if kept > 0:
