@@ -449,7 +449,8 @@ class HSADMM:
                                  f"rank (its error memory is state)")
             qs, errors = ([saved[self.entries[k].name][key].to(self.device, self.state_dtype).clone() for k in low]
                           for key in ("q", "error"))
-        whole = [k for k in range(len(shapes)) if k not in set(low)]
+        sent_low = set(low)
+        whole = [k for k in range(len(shapes)) if k not in sent_low]
         return _LowRank(shapes, low, whole, qs, errors,
                         first=BucketLayout([shapes[k][0] * r for k in low] + [math.prod(shapes[k]) for k in whole],
                                            self.state_dtype, self.device, self.bucket_bytes),
