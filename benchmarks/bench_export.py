@@ -56,8 +56,8 @@ def masked_model(name: str, spec: str, mode: str, seed: int) -> nn.Module:
     structure = Structure.resolve(model, ConsensusConfig(sparsity=spec, coupled=MODES[mode]))
     ws = {n: p for n, p in model.named_parameters() if n in structure.specs}
     budget = sparsity.own_channel_layers(structure.specs) if mode == "global" else []
-    channels = sparsity.budget_channels({n: ws[n] for n in budget}, {n: structure.specs[n] for n in budget},
-                                        ConsensusConfig.budget_floor) if budget else None
+    channels = sparsity.budget_channels({n: ws[n] for n in budget}, {n: structure.specs[n] for n in budget}) \
+        if budget else None
     new = sparsity.coupled_project(ws, structure.specs, structure.couplings, structure.streams, structure.heads,
                                    channels)
     with torch.no_grad():

@@ -1,16 +1,17 @@
-"""Accuracy per epoch: PruneX (each lever on and off) against local SGD, hierarchical local SGD, DiLoCo and dense.
+"""Accuracy per epoch: PruneX (the recipe, the paper's round, a lever at a time) against local SGD, hierarchical
+local SGD, DiLoCo, PacTrain and dense.
 
-    python benchmarks/bench_learning.py --tasks digits --variants prunex,prunex-restart,localsgd \
+    python benchmarks/bench_learning.py --tasks digits --variants prunex,prunex-paper,localsgd \
         --seeds 0,1 [--jobs 2] [--launcher mpirun|torchrun] [--out runs/learning]
     python benchmarks/bench_learning.py --list          # the tasks and variants
 
 Every run is ``prunex-hvd train`` on 4 ranks as 2 emulated nodes × 2 (``PRUNEX_RANKS_PER_NODE=2``), one round
-per epoch, with its task's shared recipe (model, data, epochs, batch, lr, ρ's, freeze point): a variant only
-adds its own flags, so every method sees the same round period and the same user recipe. ``--jobs N`` runs N
-jobs side by side (on a 16-core host 4 jobs of 4 single-thread ranks fill it; here keep 1).
+per epoch, with its task's shared recipe (model, data, epochs, batch, lr): a variant only adds its own flags, so
+every method sees the same round period and the same user recipe. ``--jobs N`` runs N jobs side by side (on a
+16-core host 4 jobs of 4 single-thread ranks fill it; here keep 1).
 
 Per run the JSON has the test accuracy of the consensus model after every round (``curve``: epoch, accuracy;
-its BatchNorm statistics measured again, the trainer's ``--bn-recalibrate``, and in ``curve_no_recal`` as the
+its BatchNorm statistics measured again, the trainer's ``bn_recalibrate``, and in ``curve_no_recal`` as the
 round left them), the first epoch reaching each of the task's targets (``epochs_to``; null if never), the final
 accuracy, the density and the inter-node bytes. Per (task, variant) it has the mean over seeds (``summary``). Each run's
 folder (``<out>/<task>/<variant>-s<seed>``) is a normal run; at the end ``prunex-hvd report`` draws every
@@ -33,45 +34,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchjson import emit  # noqa: E402
 from prunex_hvd.app.report import epochs_to_target, load_run, make_report  # noqa: E402
 
-# the shared recipe of each task: what a user would run, the same for every method. Each pins the round the masks
-# freeze after, as every table before 2026-11-28 ran; the command line's recipe has frozen after round 1 since
-# (variant prunex-freeze1, benchmarks/README "Masks frozen after round 1")
+# the shared recipe of each task: what a user would run, the same for every method. None pins the round the masks
+# freeze after: the recipe chooses them at the start (freeze_round=0), and a variant that wants another freeze says
+# so. Settings without a flag of their own go to the run through a --config file (``settings``).
 TASKS: Dict[str, dict] = {
     # make demo's task: 1,797 real handwritten digits, 16×16
     "digits": dict(args="--model resnet_small --dataset digits --epochs 24 --batch-size 16 --lr 0.05 "
-                        "--local-epochs 1 --freeze-round 8", targets=(0.90, 0.95, 0.97)),
+                        "--local-epochs 1", targets=(0.90, 0.95, 0.97)),
     # a CIFAR-size input and a deeper net on generated data: noisy low-frequency templates, 32×32×3
     "synthetic": dict(args="--model resnet_small --dataset synthetic --image-size 16 --epochs 16 --batch-size 32 "
-                           "--lr 0.05 --local-epochs 1 --freeze-round 5", targets=(0.5, 0.7, 0.8)),
+                           "--lr 0.05 --local-epochs 1", targets=(0.5, 0.7, 0.8)),
     # the emulated cluster's task: ResNet-18 on digits at 8×8, two rounds an epoch (benchmarks/README.md)
     "digits8-r18": dict(args="--model resnet18 --dataset digits --image-size 8 --epochs 16 --batch-size 16 "
-                             "--lr 0.05 --local-steps 11 --freeze-round 4", targets=(0.7, 0.8, 0.9)),
+                             "--lr 0.05 --local-steps 11", targets=(0.7, 0.8, 0.9)),
     # beyond convs: the small ViT on the digits at 16×16 (16 patches of 4×4), heads and MLP neurons pruned; no
     # augmentation (random shifts cost a ViT half its accuracy here: 42% against 86% after 10 epochs, one rank)
-    "digits-vit": dict(args="--model vit_tiny --dataset digits --image-size 16 --augment none --epochs 24 "
-                            "--batch-size 16 --lr 0.05 --local-epochs 1 --freeze-round 8", targets=(0.6, 0.7, 0.8)),
+    "digits-vit": dict(args="--model vit_tiny --dataset digits --image-size 16 --epochs 24 --batch-size 16 "
+                            "--lr 0.05 --local-epochs 1", settings={"augment": "none"}, targets=(0.6, 0.7, 0.8)),
     # ResNet-18 on CIFAR-size generated data (the emulated cluster's model; minutes per run on 2 cores)
     "synthetic-r18": dict(args="--model resnet18 --dataset synthetic --image-size 32 --epochs 8 --batch-size 32 "
-                               "--lr 0.05 --local-epochs 1 --freeze-round 3", targets=(0.5, 0.7, 0.8)),
+                               "--lr 0.05 --local-epochs 1", targets=(0.5, 0.7, 0.8)),
 }
 
-# The paper's round as measured: θ stays, adaptive ρ from the demo's 0.01 / 0.001, no relaxation, growth, ramp or
-# lr warm-up.
-# Every PruneX variant spells all of these, then its levers (argparse keeps the last value), so it means what the
-# tables in benchmarks/README.md say whatever the command line's recipe is.
-PAPER_ROUND = (
-    "--rho1 0.01 --rho2 0.001 --adaptive-rho --restart none --relaxation 1 --rho-growth 1 --keep-ramp-rounds 0 "
-    "--no-node-sync --warmup-epochs 0")
-
-
-def prunex(sparsity: str = "channel:0.5", levers: str = "") -> str:
-    return f"--method prunex --sparsity {sparsity} {PAPER_ROUND} {levers}".strip()
-
-
-GROW = "--rho-growth 1.3 --no-adaptive-rho"
-# the recipe of 2026-11-28's sweeps without its channel budget: masks frozen after round 1 whatever the task pins,
-# no keep ramp
-FREEZE1 = "--method prunex --sparsity channel:0.5 --freeze-round 1 --keep-ramp-rounds 0"
 VARIANTS: Dict[str, str] = {
     "dense": "--method dense",
     "localsgd": "--method localsgd",
@@ -79,111 +63,26 @@ VARIANTS: Dict[str, str] = {
     "diloco": "--method diloco",
     "pactrain": "--method pactrain --sparsity channel:0.5",
     "pactrain-structured": "--method pactrain --sparsity channel:0.5 --pactrain-structure structured",
-    "prunex-plain": prunex(),
-    "prunex-dense-plain": prunex("dense"),
-    "prunex-restart": prunex(levers="--restart global"),
-    "prunex-restart-node": prunex(levers="--restart node"),
-    "prunex-dense-restart": prunex("dense", "--restart global"),
-    "prunex-relax": prunex(levers="--restart global --relaxation 1.6"),
-    "prunex-relax-norestart": prunex(levers="--relaxation 1.6"),
-    "prunex-ramp": prunex(levers="--restart global --keep-ramp-rounds 6"),
-    "prunex-grow": prunex(levers=f"--restart global {GROW}"),
-    "prunex-coupled-restart": prunex(levers="--coupled --restart global"),
-    "prunex-grow-adaptive": prunex(levers="--restart global --rho-growth 1.3"),
-    "prunex-relax-grow": prunex(levers=f"--restart global --relaxation 1.6 {GROW}"),
-    "prunex-relax13": prunex(levers="--restart global --relaxation 1.3"),
-    "prunex-relax-ramp": prunex(levers="--restart global --relaxation 1.6 --keep-ramp-rounds 4"),
-    "prunex-dense-grow": prunex("dense", f"--restart global {GROW}"),
-    "prunex-grow-relax13": prunex(levers=f"--restart global {GROW} --relaxation 1.3"),   # the recipe before node_sync
-    "prunex-dense-grow-relax13": prunex("dense", f"--restart global {GROW} --relaxation 1.3"),
-    "prunex-dense-relax": prunex("dense", "--restart global --relaxation 1.6"),
-    "prunex-grow-relax13-sync": prunex(levers=f"--restart global {GROW} --relaxation 1.3 --node-sync"),
-    "prunex-restart-sync": prunex(levers="--restart global --node-sync"),   # = the recipe since node_sync
-    "prunex-dense-restart-sync": prunex("dense", "--restart global --node-sync"),
-    "prunex-restart-sync-freeze1": prunex(levers="--restart global --node-sync --freeze-round 1"),
-    "prunex-restart-sync-freeze2": prunex(levers="--restart global --node-sync --freeze-round 2"),
-    **{f"prunex-restart-sync-ramp{r}": prunex(levers=f"--restart global --node-sync --keep-ramp-rounds {r}")
-       for r in (4, 6, 8, 12)},
-    "prunex-restart-sync-freeze10": prunex(levers="--restart global --node-sync --freeze-round 10"),
-    "prunex-restart-sync-ramp8-freeze12": prunex(levers="--restart global --node-sync --keep-ramp-rounds 8 "
-                                                        "--freeze-round 12"),
-    # the command line's defaults (whatever they are now), the masks freezing at the task's round
-    "prunex": "--method prunex --sparsity channel:0.5",
-    "prunex-no-warmup": "--method prunex --sparsity channel:0.5 --warmup-epochs 0",   # the recipe without its warm-up
-    "prunex-bf16": "--method prunex --sparsity channel:0.5 --payload-dtype bf16",
-    "prunex-fp16": "--method prunex --sparsity channel:0.5 --payload-dtype fp16",
-    "prunex-fixed-rho": "--method prunex --sparsity channel:0.5 --no-adaptive-rho",   # ρ held at 0.01 / 0.001
-    # the recipe of 2026-11-28's sweeps (its masks freeze after round 1 whatever the task pins; each layer keeps
-    # half its channels)
-    "prunex-freeze1": f"{FREEZE1} --channel-budget layer",
-    # ... retraining by plain averaging from round 2; ... with ρ2 held (ρ1 still balanced)
-    "prunex-freeze1-average": f"{FREEZE1} --channel-budget layer --retrain average",
-    "prunex-freeze1-hold-rho2": f"{FREEZE1} --channel-budget layer --no-balance-rho2",
-    # ρ2 balanced for the first third of the rounds, then released: halved back to its start (rho2_release_round)
-    "prunex-release-rho2": f"{FREEZE1} --channel-budget layer --rho2-release-round auto",
-    # one channel budget across the layers (channel_budget="global"): the recipe since the twelfth sweep; ... with
-    # ρ2 released after a third of the rounds
-    "prunex-global-budget": f"{FREEZE1} --channel-budget global",
-    # ... with the masks chosen from the initial weights before the first step (freeze_round=0): the recipe since
-    # the sixteenth sweep, which ran it as prunex-global-budget --extra '--freeze-round 0'
-    "prunex-start-frozen": "--method prunex --sparsity channel:0.5 --freeze-round 0 --keep-ramp-rounds 0 "
-                           "--channel-budget global",
-    "prunex-global-release-rho2": f"{FREEZE1} --channel-budget global --rho2-release-round auto",
-    # ... with ρ2 held where it starts (residual balancing of ρ1 only)
-    "prunex-global-hold-rho2": f"{FREEZE1} --channel-budget global --no-balance-rho2",
-    # ... without the lr warm-up (the recipe's evaluations measure BatchNorm statistics again since 2026-11-29)
-    "prunex-global-no-warmup": f"{FREEZE1} --channel-budget global --warmup-epochs 0",
-    # without the lr warm-up: frozen after round 1, or a third of the way (--freeze-round auto)
-    **{f"prunex-no-warmup-freeze{f}": f"--method prunex --sparsity channel:0.5 --warmup-epochs 0 --freeze-round {f} "
-                                      "--keep-ramp-rounds 0" for f in ("1", "auto")},
-    "prunex-hold-rho2": "--method prunex --sparsity channel:0.5 --no-balance-rho2",   # ρ1 balanced, ρ2 held
-    **{f"prunex-rhomax{str(m).replace('.', '')}": f"--method prunex --sparsity channel:0.5 --rho-max {m}"
-       for m in (0.05, 0.1, 0.2, 1.0)},   # the recipe, residual balancing capped lower
-    "prunex-rhomax-auto": "--method prunex --sparsity channel:0.5 --rho-max auto",   # capped by the round's pull
-    "prunex-noramp": "--method prunex --sparsity channel:0.5 --keep-ramp-rounds 0",   # the recipe, no keep ramp
-    # the recipe before the sixth sweep (2026-11-27): the keep ramp over the first quarter of the rounds
-    "prunex-ramp-auto": "--method prunex --sparsity channel:0.5 --keep-ramp-rounds auto",
-    # ... with the masks freezing where --freeze-round auto puts them (a third of the rounds; the command line's
-    # default until 2026-11-28), not the task's
-    "prunex-noramp-freeze-auto": "--method prunex --sparsity channel:0.5 --keep-ramp-rounds 0 --freeze-round auto",
-    # ... and the masks freezing once the lr's two-epoch warm-up ends (round 2 at one round an epoch)
-    "prunex-noramp-freeze2": "--method prunex --sparsity channel:0.5 --keep-ramp-rounds 0 --freeze-round 2",
-    "prunex-uncapped": "--method prunex --sparsity channel:0.5 --rho-max 10",   # the recipe before --rho-max auto
-    "prunex-fixed-rho-freeze1": "--method prunex --sparsity channel:0.5 --no-adaptive-rho --freeze-round 1 "
-                                "--keep-ramp-rounds 0",
-    # momentum across rounds (the recipe, then acceleration): fast ADMM with restart; z alone (DiLoCo's outer step)
-    "prunex-fast-admm": "--method prunex --sparsity channel:0.5 --acceleration fast-admm",
-    "prunex-fast-admm-fixed-rho": "--method prunex --sparsity channel:0.5 --acceleration fast-admm --no-adaptive-rho",
-    **{f"prunex-nesterov{str(b).replace('.', '')}": f"--method prunex --sparsity channel:0.5 --acceleration nesterov "
-                                                    f"--outer-momentum {b}" for b in (0.3, 0.5, 0.9)},
-    # the retraining phase (after the freeze): the recipe's ADMM, or plain averaging of the pruned model
-    **{f"prunex-retrain-{r}": f"--method prunex --sparsity channel:0.5 --retrain {r}" for r in ("admm", "average")},
-    # a linear lr warm-up over the first epoch(s) (the trainer's --warmup-epochs), PruneX's and the rivals'
+    # the rivals with a linear lr warm-up over the first epoch(s), as PruneX's recipe warms up
     **{f"{name}-warmup{w}": f"{flags} --warmup-epochs {w}" for w in (1, 2) for name, flags in (
-        ("prunex", "--method prunex --sparsity channel:0.5"), ("prunex-dense", "--method prunex --sparsity dense"),
         ("localsgd-hier", "--method localsgd-hier"), ("pactrain", "--method pactrain --sparsity channel:0.5"))},
-    "prunex-warmup1-average": "--method prunex --sparsity channel:0.5 --warmup-epochs 1 --retrain average",
-    # the warm-up with ρ2 held (ρ1 still balanced), then also averaging after the freeze; the warm-up of 2 epochs
-    "prunex-hold-rho2-average": "--method prunex --sparsity channel:0.5 --no-balance-rho2 --retrain average",
-    "prunex-warmup2-hold-rho2": "--method prunex --sparsity channel:0.5 --no-balance-rho2 --warmup-epochs 2",
-    "prunex-warmup2-average": "--method prunex --sparsity channel:0.5 --warmup-epochs 2 --retrain average",
-    "prunex-overlap": "--method prunex --sparsity channel:0.5 --overlap",   # the recipe, overlapped once frozen
-    **{f"prunex-overlap-s{k}": f"--method prunex --sparsity channel:0.5 --overlap --overlap-steps {k}"
-       for k in (1, 2, 4)},
-    # every round overlapped, from the first (before overlap_after_freeze, what prunex-overlap* meant)
-    "prunex-overlap-every": "--method prunex --sparsity channel:0.5 --overlap --no-overlap-after-freeze",
-    **{f"prunex-overlap-every-s{k}": f"--method prunex --sparsity channel:0.5 --overlap --overlap-steps {k} "
-                                     "--no-overlap-after-freeze" for k in (1, 2, 4)},
-    "prunex-dense-overlap-every-s4": "--method prunex --sparsity dense --overlap --overlap-steps 4 "
-                                     "--no-overlap-after-freeze",
+    # the command line's defaults: the measured recipe (ConsensusConfig's tuning guide)
+    "prunex": "--method prunex --sparsity channel:0.5",
+    # the paper's round (ConsensusConfig.paper): for ablations
+    "prunex-paper": "--method prunex --sparsity channel:0.5 --paper",
+    # one flat consensus over the world, the paper's "PruneX (AR)": the recipe without its node tier (no node_sync,
+    # no payload_dtype)
+    "prunex-flat": "--method prunex-flat --sparsity channel:0.5",
+    # the recipe, one lever off or on at a time
     "prunex-dense": "--method prunex --sparsity dense",
+    "prunex-no-warmup": "--method prunex --sparsity channel:0.5 --warmup-epochs 0",
+    "prunex-layer-budget": "--method prunex --sparsity channel:0.5 --channel-budget layer",   # each layer keeps half
+    "prunex-overlap": "--method prunex --sparsity channel:0.5 --overlap on",
     # beyond convs (a ViT): half the heads of every attention module; half of every MLP's hidden units (fc1's
     # rows with fc2's columns, one group); both
     "prunex-heads": "--method prunex --sparsity head:0.5",
     "prunex-neurons": "--method prunex --sparsity neuron:0.5 --coupled",
     "prunex-vit": "--method prunex --sparsity head:0.5+neuron:0.5 --coupled",
-    "prunex-vit-freeze1": "--method prunex --sparsity head:0.5+neuron:0.5 --coupled --freeze-round 1 "
-                          "--keep-ramp-rounds 0",   # ... frozen after round 1 (the recipe since 2026-11-28)
     "pactrain-vit": "--method pactrain --sparsity head:0.5+neuron:0.5",   # the same layers, unstructured
 }
 
@@ -197,7 +96,7 @@ def read_run(run_dir: str, targets) -> dict:
     rec = {"curve": curve, "epochs_to": {str(t): epochs_to_target(run, t) for t in targets},
            "final_acc": final.get("test_acc"), "density": final.get("density"),
            "inter_bytes": final.get("inter_bytes"), "wall_s": final.get("wall_s")}
-    if final.get("test_acc_no_recal") is not None:   # BatchNorm recalibrated (--bn-recalibrate): also as it came
+    if final.get("test_acc_no_recal") is not None:   # BatchNorm recalibrated (bn_recalibrate): also as it came
         rec["curve_no_recal"] = [[round(r["epoch"], 4), r["test_acc_no_recal"]] for r in scored]
         rec["final_acc_no_recal"] = final["test_acc_no_recal"]
     return rec
@@ -216,8 +115,13 @@ def run_one(task: str, variant: str, seed: int, args) -> dict:
     run_dir = os.path.join(args.out, task, f"{variant}-s{seed}")
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
-    train_args = ["train"] + spec["args"].split() + VARIANTS[variant].split() + \
-        ["--seed", str(seed), "--threads", str(args.threads), "--no-progress", "--checkpoint-every", "0",
+    settings = []
+    if spec.get("settings"):   # beside the run's folder: its own must hold nothing but the run
+        with open(run_dir + ".settings.json", "w") as f:
+            json.dump(spec["settings"], f)
+        settings = ["--config", run_dir + ".settings.json"]
+    train_args = ["train"] + spec["args"].split() + settings + VARIANTS[variant].split() + \
+        ["--seed", str(seed), "--threads", str(args.threads), "--checkpoint-every", "0",
          "--out", run_dir] + args.extra.split()
     env = dict(os.environ, PRUNEX_RANKS_PER_NODE="2", OMP_NUM_THREADS=str(args.threads),
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
@@ -264,7 +168,7 @@ def summarize(runs: List[dict]) -> List[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", default="digits")
-    ap.add_argument("--variants", default="localsgd,prunex-plain,prunex")
+    ap.add_argument("--variants", default="localsgd,prunex-paper,prunex")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--jobs", type=int, default=1, help="jobs side by side")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")

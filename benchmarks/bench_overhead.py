@@ -4,15 +4,13 @@
         [--device cpu|cuda] [--rounds 5]
 
 One process (a 1×1 cluster), same model and batch. A local step is forward, backward and ``step()``; the
-wrapped step adds ρ1(θ − z_i + u) to every gradient (two fused foreach adds) and, in the retraining phase,
-masks gradients and weights, and (``compact_compute``, the default) its convs multiply only their kept channels:
-phase ``retraining`` is that, ``retraining-full`` the same with ``compact_compute=False`` (the zeros multiplied
-too); the two then step alternately for ``compact_compute_step_ratio`` (the median of those pairs' ratios).
-Rounds are excluded (``local_steps`` is set beyond the run): they are measured by the volume benchmark. Bare and
-wrapped steps alternate, so load on the host hits both alike; the figure is the median of the per-pair ratios.
-Target ≤ 1.05. It also times ``consensus()`` itself in one process (projection, shrink, recover, residuals and
-dual updates: the round's compute without the network), the median of ``--rounds`` rounds while masks still
-move. On CUDA every timing is synchronised.
+wrapped step adds ρ1(θ − z_i + u) to every gradient (two fused foreach adds) and, in the retraining phase (the
+recipe's: masks chosen at the start), masks gradients and weights, its convs multiplying only their kept
+channels; phase ``discovery`` steps before any masks are frozen (``freeze_round=None``). Rounds are excluded
+(``local_steps`` is set beyond the run; the volume benchmark measures them). Bare and wrapped steps alternate, so load on the host hits both alike; the figure is
+the median of the per-pair ratios. Target ≤ 1.05. It also times ``consensus()`` itself in one process
+(projection, shrink, recover, residuals and dual updates: the round's compute without the network), the median of
+``--rounds`` rounds while masks still move. On CUDA every timing is synchronised.
 """
 from __future__ import annotations
 
@@ -53,16 +51,12 @@ def main() -> None:
     bare_model = build(args.model, num_classes=10, in_channels=3).to(device)
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     y = torch.randint(0, 10, (args.batch_size,), device=device)
-    runs, kept = {}, {}
-    for phase in ("discovery", "retraining", "retraining-full"):
+    runs = {}
+    for phase in ("discovery", "retraining"):
         model = copy.deepcopy(bare_model)
-        retraining = phase.startswith("retraining")
         wrapped = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4),
                                           model, sparsity=args.sparsity, local_steps=10**9,
-                                          freeze_round=1 if retraining else None,
-                                          compact_compute=phase != "retraining-full")
-        if retraining:
-            wrapped.consensus()   # freezes: from now on gradients and weights are masked too
+                                          freeze_round=0 if phase == "retraining" else None)
         bare_copy = copy.deepcopy(bare_model)
         bare = torch.optim.SGD(bare_copy.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
 
@@ -85,7 +79,6 @@ def main() -> None:
                 tb, tw = step(bare_copy, bare), step(model, wrapped)
             pairs.append((tb, tw))
         ratios = [tw / tb for tb, tw in pairs]
-        kept[phase] = (model, wrapped, step)
         runs[phase] = {"median_ratio": statistics.median(ratios),
                        "ratio_quartiles": statistics.quantiles(ratios, n=4) if len(ratios) > 3 else None,
                        "median_step_s_bare": statistics.median(tb for tb, _ in pairs),
@@ -99,24 +92,11 @@ def main() -> None:
                 sync()
                 rounds.append(time.perf_counter() - t0)
             runs[phase]["median_round_s"] = statistics.median(rounds[1:])
-    # compact against dense compute side by side: the two retraining models' wrapped steps alternate
-    (compact, compact_opt, step), (full, full_opt, _) = kept["retraining"], kept["retraining-full"]
-    cc_ratios = []
-    for i in range(args.reps):
-        if i % 2:
-            tf, tc = step(full, full_opt), step(compact, compact_opt)
-        else:
-            tc, tf = step(compact, compact_opt), step(full, full_opt)
-        cc_ratios.append(tc / tf)
     print(json.dumps({"benchmark": "wrapper_overhead", "model": args.model, "batch_size": args.batch_size,
                       "image_size": args.image_size, "sparsity": args.sparsity, "reps": args.reps,
                       "threads": torch.get_num_threads(), "device": args.device,
                       "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "target_ratio_max": 1.05,
                       "phases": runs,
-                      # the wrapped retraining step, compact over dense compute: median of the pairs' ratios
-                      "compact_compute_step_ratio": statistics.median(cc_ratios),
-                      "compact_compute_step_ratio_quartiles": statistics.quantiles(cc_ratios, n=4)
-                      if len(cc_ratios) > 3 else None,
                       "meets_target": all(r["median_ratio"] <= 1.05 for r in runs.values())}, indent=2))
 
 

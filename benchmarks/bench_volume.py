@@ -78,9 +78,11 @@ def worker(a) -> None:
     loader = ShardedLoader(data, a.batch_size, topo.rank, topo.size, seed=0, train=True)
     base = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9, weight_decay=5e-4)
     freeze_round = a.freeze_round if a.freeze_round > 0 else None
-    opt = px.DistributedOptimizer(base, model, sparsity="channel:0.5", local_steps=a.local_steps,
-                                  rho1=a.rho1, rho2=a.rho2, freeze_round=freeze_round, freeze_patience=10**6,
-                                  coupled=a.coupled, payload_dtype=a.payload_dtype)
+    # the paper's round restarting at z, as these volumes were measured: each layer keeps its own channel count
+    # (the sweep's kinds, which the check compares with), every rank steps alone, no lr warm-up
+    opt = px.DistributedOptimizer(base, model, px.ConsensusConfig.paper(restart="global"), sparsity="channel:0.5",
+                                  local_steps=a.local_steps, rho1=a.rho1, rho2=a.rho2, freeze_round=freeze_round,
+                                  freeze_patience=10**6, coupled=a.coupled, payload_dtype=a.payload_dtype)
     couplings = dependencies.channel_couplings(model)
     streams = dependencies.channel_streams(model)
 

@@ -111,7 +111,7 @@ HEADER_BYTES = 66                      # Ethernet 14 + IPv4 20 + TCP 20 + timest
 
 DEFAULT_TRAIN_ARGS = ("--model resnet_small --dataset digits --image-size 16 --epochs 10 --batch-size 16 "
                       "--lr 0.05 --sparsity channel:0.5 --rho1 0.05 --rho2 0.05 --local-steps 11 "
-                      "--freeze-round 4 --topk-ratio 0.01 --threads 1 --checkpoint-every 0 --no-progress")
+                      "--freeze-round 4 --topk-ratio 0.01 --threads 1 --checkpoint-every 0")
 RING_MCA = {"coll_tuned_use_dynamic_rules": "1", "coll_tuned_allreduce_algorithm": "4",
             "coll_tuned_allgather_algorithm": "4", "coll_tuned_allgatherv_algorithm": "3",
             "coll_tuned_bcast_algorithm": "2", "coll_tuned_bcast_algorithm_chain_fanout": "1"}
@@ -657,11 +657,23 @@ def rival_speedups(rows: Dict[str, dict]) -> Dict[str, object]:
             out[f"{m}_speedup_vs_best_rival"] = round(reached[best] / r["time_to_target_s"], 2)
     return out
 
+
+def overlaps(train_argv: List[str]) -> bool:
+    """Whether `prunex-hvd train` arguments turn overlap on (``--overlap on|N``; the last one given counts)."""
+    value = "off"
+    for i, token in enumerate(train_argv):
+        if token == "--overlap" and i + 1 < len(train_argv):
+            value = train_argv[i + 1]
+        elif token.startswith("--overlap="):
+            value = token.split("=", 1)[1]
+    return value.lower() not in ("off", "false", "no", "0")
+
+
 def overlap_pairs(rows: Dict[str, dict], overlapped) -> Dict[str, object]:
-    """Each overlapped job (in ``overlapped``: its arguments hold ``--overlap``) against its blocking twin, the
+    """Each overlapped job (in ``overlapped``: its arguments turn ``--overlap`` on) against its blocking twin, the
     same name without ``-overlap`` / ``+overlap``, else its method's plain job: exposed exchange time per round
     (rank 0, a leader, waiting on the inter-node exchange), time to target and training wall, as ratios; and the
-    wait per round after the masks froze alone (what ``overlap_after_freeze`` overlaps), where both have one."""
+    wait per round after the masks froze alone (the rounds that overlap), where both have one."""
     out = {}
     for m, r in rows.items():
         if m not in overlapped:
@@ -749,9 +761,14 @@ def main(argv=None) -> int:
             p.error(f"--method-args {item!r}: expected METHOD=ARGS for one of --methods ({args.methods})")
         method_args[m] = extra
     args.method_args = method_args
+    from prunex_hvd.app.cli import refuse_removed_flags
     for extra in [args.train_args] + list(method_args.values()):
         if "--method" in extra.split() or "--out" in extra.split():
             p.error("--train-args and --method-args must not hold --method or --out (the script sets them)")
+        try:   # a removed or config-only flag would fail every job, after the build
+            refuse_removed_flags(extra.split())
+        except ValueError as exc:
+            p.error(str(exc))
 
     problem = preflight()
     if problem:
@@ -880,8 +897,8 @@ def main(argv=None) -> int:
                 summary["prunex"]["speedup_vs_dense_at_least"] = sp
             summary["prunex_at_least_3x_faster_than_dense"] = None if sp is None else sp >= 3
         summary.update(rival_speedups(rows))
-        overlapped = {m for m in rows if "--overlap" in (args.train_args + " " + args.method_args.get(
-            m, args.method_args.get(parse_method(m)[0], ""))).split()}
+        overlapped = {m for m in rows if overlaps((args.train_args + " " + args.method_args.get(
+            m, args.method_args.get(parse_method(m)[0], ""))).split())}
         pairs = overlap_pairs(rows, overlapped)
         if pairs:
             summary["overlap_vs_blocking"] = pairs

@@ -1,15 +1,18 @@
-"""Horovod's MNIST example (``examples/pytorch/pytorch_mnist.py``) converted to PruneX. Every line that differs
-from the Horovod script is marked ``# PruneX``; everything else is what a Horovod user already has: hvd.init,
-DistributedSampler, broadcast_parameters / broadcast_optimizer_state, metrics averaged with hvd.allreduce, and
-Horovod's mixed-precision pattern (``--use-mixed-precision``).
+"""Horovod's MNIST example (``examples/pytorch/pytorch_mnist.py``) converted to PruneX. The wrap line is the one
+that matters (``# PruneX``); everything else is what a Horovod user already has: hvd.init, DistributedSampler,
+broadcast_parameters / broadcast_optimizer_state, Horovod's lr × size, metrics averaged with hvd.allreduce, and
+Horovod's mixed-precision pattern (``--use-mixed-precision``). ``--optimizer horovod`` runs the same script under
+``hvd.DistributedOptimizer``, to compare (``benchmarks/bench_dropin.py`` does, seed by seed).
 
-    horovodrun -np 4 -H localhost:2,127.0.0.1:2 python examples/horovod_mnist.py --epochs 3
+    horovodrun -np 4 -H localhost:2,127.0.0.1:2 python examples/horovod_mnist.py
     horovodrun -np 8 -H node1:4,node2:4 python examples/horovod_mnist.py --use-mixed-precision
 
 The data is the handwritten digits set that ships with the package (8×8 images, upsampled to 28×28 as MNIST's),
-so the script runs without a download.
+so the script runs without a download. It has 1,437 training images, 1/40 of MNIST's: at MNIST's batch of 64 a
+rank of four would take 6 steps an epoch, so the batch here is 16.
 """
 import argparse
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -21,7 +24,7 @@ import prunex_hvd as px                                                      # P
 from prunex_hvd.app.data import load_dataset                                 # PruneX: MNIST-like, offline
 
 parser = argparse.ArgumentParser(description="PyTorch digits example (Horovod's MNIST, with PruneX)")
-parser.add_argument("--batch-size", type=int, default=64)
+parser.add_argument("--batch-size", type=int, default=16)
 parser.add_argument("--test-batch-size", type=int, default=256)
 parser.add_argument("--epochs", type=int, default=10)
 parser.add_argument("--lr", type=float, default=0.01)
@@ -29,6 +32,8 @@ parser.add_argument("--momentum", type=float, default=0.5)
 parser.add_argument("--seed", type=int, default=42)
 parser.add_argument("--use-mixed-precision", action="store_true", help="autocast + GradScaler")
 parser.add_argument("--sparsity", default="channel:0.5")                     # PruneX
+parser.add_argument("--optimizer", default="prunex", choices=("prunex", "horovod"),   # PruneX: to compare,
+                    help="horovod: the same script under hvd.DistributedOptimizer")   # the script unchanged
 args = parser.parse_args()
 args.cuda = torch.cuda.is_available()
 
@@ -76,18 +81,16 @@ class Net(nn.Module):
 
 
 model = Net().to(device)
-lr_scaler = hvd.size()   # Horovod's, kept (under PruneX a node's ranks average gradients: node_sync)
+lr_scaler = hvd.size()   # Horovod's
 optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=args.momentum)
 
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-# Horovod: optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-optimizer = px.DistributedOptimizer(optimizer, model, sparsity=args.sparsity,  # PruneX: one round an epoch,
-                                    local_steps=len(train_loader),              # prunex-hvd train's recipe:
-                                    node_sync=True, rho1=0.01, rho2=0.001, payload_dtype="bf16",
-                                    freeze_round=max(1, args.epochs // 3))   # a third: no lr warm-up
-# here, and round 1 at the full lr chooses worse channels (prunex-hvd train warms up, then freezes after 1)
+if args.optimizer == "horovod":
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+else:                                                                         # PruneX: one round an epoch
+    optimizer = px.DistributedOptimizer(optimizer, model, sparsity=args.sparsity, local_steps=len(train_loader))
 # the autocast dtype of this device: float16 with a GradScaler on GPUs, bfloat16 on CPUs
 amp_dtype = torch.float16 if args.cuda else torch.bfloat16
 scaler = torch.amp.GradScaler(device) if args.use_mixed_precision else None
@@ -125,7 +128,8 @@ def metric_average(val, name):
 def test():
     model.eval()
     test_loss, test_accuracy = 0.0, 0.0
-    with optimizer.consensus_weights(), torch.no_grad():                    # PruneX: the pruned model so far
+    pruned = optimizer.consensus_weights() if args.optimizer == "prunex" else contextlib.nullcontext()
+    with pruned, torch.no_grad():                                           # PruneX: the pruned model so far
         for data, target in test_loader:
             data, target = data.to(device), target.to(device)
             output = model(data)
@@ -142,8 +146,11 @@ for epoch in range(1, args.epochs + 1):
     train(epoch)
     accuracy = test()
 
-optimizer.finalize()                                                          # PruneX: the pruned model
+if args.optimizer == "prunex":
+    optimizer.finalize()                                                      # PruneX: the pruned model
 if hvd.rank() == 0:
+    print(f"final accuracy {100.0 * accuracy:.2f}%")
+if args.optimizer == "prunex" and hvd.rank() == 0:
     stats = optimizer.stats()                                                 # PruneX
     print(f"PruneX: density {stats['density']:.3f}, {stats['rounds']} rounds, "
           f"{stats['inter_bytes'] / 2**20:.2f} MiB across nodes (dense: {stats['dense_inter_bytes'] / 2**20:.2f})")

@@ -56,11 +56,8 @@ model = build(args.model, num_classes=data.num_classes, in_channels=data.in_chan
 if args.compile:
     model = torch.compile(model, backend=args.compile_backend)
 optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
-optimizer = px.DistributedOptimizer(optimizer, model, sparsity=args.sparsity,  # PruneX: one round an epoch,
-                                    local_steps=len(loader), coupled=True,      # prunex-hvd train's recipe:
-                                    node_sync=True, rho1=0.01, rho2=0.001, payload_dtype="bf16",
-                                    freeze_round=max(1, args.epochs // 3))   # a third: no lr warm-up
-# here, and round 1 at the full lr chooses worse channels (prunex-hvd train warms up, then freezes after 1)
+optimizer = px.DistributedOptimizer(optimizer, model, sparsity=args.sparsity,  # PruneX: the recipe, one round
+                                    local_steps=len(loader), coupled=True)      # an epoch, coupled channels
 scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
 scaler = torch.amp.GradScaler(device.type, enabled=args.amp)
 amp_dtype = torch.float16 if use_cuda else torch.bfloat16

@@ -1,11 +1,14 @@
 """``DistributedOptimizer``: wrap any torch optimizer so training runs H-SADMM over the cluster topology.
 
-    opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), model,
-                                  sparsity="channel:0.5", local_steps=100)
+    opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                                  sparsity="channel:0.5", local_steps=len(train_loader))
 
-The knobs are :class:`prunex_hvd.ConsensusConfig`'s fields, and its docstring is the tuning guide
-(``help(px.ConsensusConfig)``). A config can also be passed whole, with knobs on top:
-``px.DistributedOptimizer(opt, model, config, local_steps=50)``.
+The knobs are :class:`prunex_hvd.ConsensusConfig`'s fields, their defaults the measured recipe, and its docstring
+is the tuning guide (``help(px.ConsensusConfig)``). A config can also be passed whole, with knobs on top:
+``px.DistributedOptimizer(opt, model, px.ConsensusConfig.paper(), local_steps=50)``.
+
+What the recipe needs from the optimizer it takes from the one it wraps, and says so once on rank 0: ``rho_max``
+from its lr and momentum (``rho_max="auto"``). The lr itself stays the user's, schedule and all.
 
 * float16 / bfloat16 models train as they are: the consensus state and its arithmetic stay float32 (as AMP
   keeps master weights), what travels is in the model's dtype.
@@ -25,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
+import sys
 import warnings
 from typing import Any, Dict, Optional
 
@@ -262,13 +267,51 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
             horovod_arguments(model, named_parameters, compression, backward_passes_per_step, op, knobs),
             base=config)
         check_wrapping(optimizer, model, made.bucket_mb)
+        made = made.with_rho_max_from(*lr_and_momentum(optimizer))
         structure = Structure.resolve(model, made)
         return (made, structure), made.agreement(structure)
+    asked = config.rho_max if isinstance(config, ConsensusConfig) else ConsensusConfig.rho_max
+    asked = knobs.get("rho_max", asked)
     config, structure = agreement.checked_construction("prunex_hvd.DistributedOptimizer", backend, model, checks)
-    if runtime.topology().rank == 0:   # every rank resolved the same specs: say it once
+    if runtime.topology().rank == 0:   # every rank resolved the same specs and knobs: say it once
         warn_stages_removing_nothing(model, structure.specs)
         warn_outside_the_budget(config, structure)
+        say(what_the_recipe_took(optimizer, config, derived=asked == "auto"))
     return mix_into(optimizer, _DistributedOptimizer, model, config, structure)
+
+
+def lr_and_momentum(optimizer: torch.optim.Optimizer) -> tuple:
+    """The lr the optimizer starts from (its first param group's; before a scheduler attached earlier changed it)
+    and its heavy-ball momentum (0 for an optimizer without one)."""
+    group = optimizer.param_groups[0]
+    return group.get("initial_lr", group["lr"]), float(group.get("momentum", 0.0) or 0.0)
+
+
+def what_the_recipe_took(optimizer, config: ConsensusConfig, derived: bool) -> str:
+    """One line for rank 0: the cap of the balanced ρ's, and where it came from."""
+    lr, momentum = lr_and_momentum(optimizer)
+    if not derived:
+        return f"DistributedOptimizer: rho balanced up to rho_max {config.rho_max:.3g}"
+    cap = (1 - momentum) / (lr * config.local_steps)
+    return (f"DistributedOptimizer: rho balanced up to rho_max {config.rho_max:.3g} "
+            + (f"= (1 - momentum {momentum:g}) / (lr {lr:g} x {config.local_steps} local steps)" if config.rho_max == cap
+               else f"(the starting rho: (1 - momentum {momentum:g}) / (lr {lr:g} x {config.local_steps} local steps) "
+                    f"= {cap:.3g} is below it)")
+            + ", from the optimizer (rho_max='auto'; a number sets it)")
+
+
+def say(text: str) -> None:
+    """Tell the user, once: through the ``prunex_hvd`` logger where the application set up logging, else on
+    standard error (a library's info would otherwise be dropped in a script that never configured logging)."""
+    logger = logging.getLogger("prunex_hvd")
+    walk, configured = logger, False
+    while walk is not None and not configured:
+        configured = any(not isinstance(h, logging.NullHandler) for h in walk.handlers)
+        walk = walk.parent if walk.propagate else None
+    if configured:
+        logger.info(text)
+    else:
+        print(f"prunex_hvd: {text}", file=sys.stderr, flush=True)
 
 
 DistributedOptimizer.__signature__ = inspect.Signature(

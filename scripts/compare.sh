@@ -11,4 +11,4 @@ rm -rf "$OUT"
 PRUNEX_RANKS_PER_NODE=2 timeout 1800 mpirun -np 4 -x PRUNEX_RANKS_PER_NODE "$BIN/prunex-hvd" compare \
     --methods "${COMPARE_METHODS:-dense,topk,pactrain,localsgd,localsgd-hier,diloco,prunex-flat,prunex}" \
     --model resnet_small --dataset digits --sparsity channel:0.5 --epochs 24 --local-epochs 1 --batch-size 16 \
-    --lr 0.05 --topk-ratio 0.01 --no-progress --out "$OUT"
+    --lr 0.05 --topk-ratio 0.01 --out "$OUT"

@@ -17,13 +17,13 @@ export PRUNEX_RANKS_PER_NODE=2 NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1 NCCL_SHM_
 bin="$(dirname "$(command -v "$PY")")"
 runs=()
 for mode in blocking overlap; do
-    flag=$([ "$mode" = overlap ] && echo "--overlap --no-overlap-after-freeze" || echo --no-overlap)
+    flag=$([ "$mode" = overlap ] && echo on || echo off)   # every round: the recipe chooses the masks at the start
     rm -rf "$out/run-$mode"
     "$bin/torchrun" --standalone --no-python --nproc_per_node=4 \
         bash -c 'NCCL_HOSTID=prunex-rank$RANK exec "$@"' fake-host \
         "$PY" -m prunex_hvd.app.cli train --model resnet18 --dataset digits --image-size 32 --batch-size 32 \
-        --epochs "${EPOCHS:-8}" --lr 0.05 --device cuda --backend nccl --local-steps "${LOCAL_STEPS:-7}" $flag \
-        --checkpoint-every 0 --no-progress \
+        --epochs "${EPOCHS:-8}" --lr 0.05 --device cuda --backend nccl --local-steps "${LOCAL_STEPS:-7}" \
+        --overlap "$flag" --checkpoint-every 0 \
         --out "$out/run-$mode" > "$out/run-$mode.log" 2>&1 || { rc=1; tail -20 "$out/run-$mode.log"; }
     runs+=("$out/run-$mode")
 done

@@ -9,13 +9,23 @@ import math
 import torch
 import torch.nn as nn
 
-from reference import ramped_spec, reference_round
+from prunex_hvd.engine.config import ConsensusConfig
+from prunex_hvd.engine.sparsity.projection import BUDGET_FLOOR
+from reference import MU, reference_round
 
 ROUNDS, LOCAL_STEPS = 4, 3
 # what every engine case trains with; freeze_round=3 of 4 rounds leaves one round on frozen masks
-SETTINGS = dict(rho1=0.05, rho2=0.02, rho_max=10.0, adaptive_rho=True, weight_decay_z=0.01, freeze_round=3,
-                freeze_patience=3, bucket_mb=0.002)   # tiny buckets: every round packs several
+SETTINGS = dict(rho1=0.05, rho2=0.02, rho_max=10.0, adaptive_rho=True, freeze_round=3, freeze_patience=3,
+                bucket_mb=0.002)   # tiny buckets: every round packs several
 FLOAT_BYTES = 4   # the models are float32
+
+
+def paper_config(**knobs):
+    """The round the engine cases check unless they say otherwise: the paper's (every rank stepping alone, z in
+    the model's dtype, each layer its own channel count) restarting at z, with :data:`SETTINGS`; ``knobs`` on
+    top."""
+    return ConsensusConfig.paper(**{**SETTINGS, "restart": "global", **knobs})
+
 
 # the specs each case resolves to, by parameter name
 CHANNEL = {"0.weight": "channel:0.5", "3.weight": "channel:0.5"}
@@ -228,13 +238,7 @@ def snapshot(eng):
             "t": {e.name: e.t.cpu().clone() for e in eng.entries if e.t is not None},
             "rho3": {e.name: e.rho3 for e in eng.entries},
             "ef_spine": {e.name: e.ef_spine.cpu().clone() for e in eng.entries if e.ef_spine is not None},
-            "buffer_ef_spine": {n: ef.cpu().clone() for (n, _), ef in zip(eng.buffers, eng._buffer_ef_spine)},
-            # acceleration: the extrapolated z the next round leans on, the last z and v, the momentum's state
-            "z_hat": {e.name: e.z_hat.cpu().clone() for e in eng.entries if e.z_hat is not None},
-            "z_prev": {e.name: e.z_prev.cpu().clone() for e in eng.entries if e.z_prev is not None},
-            "v_prev": {e.name: e.v_prev.cpu().clone() for e in eng.entries if e.v_prev is not None},
-            "momentum_a": {e.name: e.momentum_a for e in eng.entries},
-            "combined": {e.name: e.combined for e in eng.entries}}
+            "buffer_ef_spine": {n: ef.cpu().clone() for (n, _), ef in zip(eng.buffers, eng._buffer_ef_spine)}}
 
 
 def compare(name, got, want, rtol=1e-4, atol=1e-6, ulp=None):
@@ -250,27 +254,21 @@ def compare(name, got, want, rtol=1e-4, atol=1e-6, ulp=None):
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
-def budget_floor(config):
-    """The reference's ``budget_floor``: the config's floor under one channel budget across layers, else None."""
-    return config.budget_floor if config.channel_budget == "global" else None
+def global_budget(config):
+    """Whether the config counts channels in one budget across layers (the reference's ``global_budget``)."""
+    return config.channel_budget == "global"
 
 
 def expected_round(rnd, before, after, node_ranks, eng):
     """The reference round over all ranks' states before round ``rnd``, under ``eng``'s settings."""
     c = eng.config
     specs = {e.name: e.spec for e in eng.structured}
-    return reference_round(before, node_ranks, specs, weight_decay_z=c.weight_decay_z, rho_max=c.rho_max,
-                           adaptive=c.adaptive_rho, balance_upper=c.balance_rho2,
+    return reference_round(before, node_ranks, specs, rho_max=c.rho_max, adaptive=c.adaptive_rho,
                            freezes=after[0]["frozen"] and not before[0]["frozen"],
                            couplings=eng.couplings, streams=eng.streams, restart=c.restart,
-                           relaxation=c.relaxation, rho_growth=c.rho_growth,
-                           round_specs={n: ramped_spec(s, rnd + 1, c.keep_ramp_rounds) for n, s in specs.items()},
                            payload=eng.payload_dtype if eng.delta_coded else None,
                            racks=[list(r) for r in eng.topo.racks] if eng.rack_tier else None, heads=eng.heads,
-                           acceleration=eng.acceleration, outer_momentum=c.outer_momentum, retrain=c.retrain,
-                           release_upper=c.rho2_release_round is not None and rnd + 1 >= c.rho2_release_round,
-                           upper_starts=(c.rho2, c.rho3 if c.rho3 is not None else c.rho2),
-                           budget_floor=budget_floor(c))
+                           global_budget=global_budget(c))
 
 
 def in_exact_agreement(want, name, tier):
@@ -282,29 +280,13 @@ def in_exact_agreement(want, name, tier):
     return max(want["residuals"][name][first:first + 2]) < 1e-6
 
 
-def check_sync_round(rnd, before, after):
-    """A round of the synchronous phase (``sync_rounds``), from every rank's snapshots before and after it: one θ
-    everywhere, taken as the consensus (z = z_i = θ, on the structure if the masks are frozen; ẑ = z and, with
-    racks, w_r = z), every dual and error feedback 0, ρ held, and the float buffers' mean over the job."""
-    from prunex_hvd.engine.sparsity import apply_masks
-    for key, states in (("theta", before), ("z", after)):   # one model: chosen from with no collective
-        assert_same_everywhere([s[key] for s in states], f"{key} in synchronous round {rnd}")
-    buffers = {n: torch.stack([b["buffers"][n] for b in before]).mean(0) for n in before[0]["buffers"]}
-    for r, (got_before, got) in enumerate(zip(before, after)):
-        for name, theta in got_before["theta"].items():
-            z = apply_masks(theta, *got["masks"][name]) if got["frozen"] and name in got["masks"] else theta
-            compare(f"round {rnd} rank {r} z[{name}]", got["z"][name], z, rtol=0, atol=0)
-            assert torch.equal(got["z_i"][name], got["z"][name]), (rnd, r, name)
-            assert not got["u"][name].any() and not got["v"][name].any(), (rnd, r, name)
-            assert got["rho1"][name] == got_before["rho1"][name] and got["rho2"][name] == got_before["rho2"][name]
-            if name in got["z_hat"]:
-                assert torch.equal(got["z_hat"][name], got["z"][name]), (rnd, r, name)
-            if name in got["w"]:   # racks: the rack's consensus is z too, its dual 0
-                assert torch.equal(got["w"][name], got["z"][name]) and not got["t"][name].any(), (rnd, r, name)
-        for name, mean in buffers.items():
-            compare(f"round {rnd} rank {r} buffer {name}", got["round_buffers"][name], mean)
-            assert torch.equal(got["buffers"][name], got["round_buffers"][name])
-        assert not any(ef.any() for ef in got["ef"].values())
+def rho1_on_rounding(want, name):
+    """Whether the reference round ``want``'s ρ1 decision for ``name`` rests on float32 rounding: θ agrees with
+    z_i to under 1e-6 (a conv bias before BatchNorm has no data gradient; only the optimizer's weight decay moves
+    it off z_i between rounds) and one residual is within a quarter of μ times the other, where the engine's
+    float32 residuals may tip the balance either way."""
+    r, s = want["residuals"][name][:2]
+    return r < 1e-6 and any(MU / 1.25 < a / b < MU * 1.25 for a, b in ((s, r), (r, s)) if b > 0)
 
 
 def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buffers=True):
@@ -327,34 +309,23 @@ def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buff
         assert bool(got["w"]) == bool(rack_of), f"rank {r}: rack state {'missing' if rack_of else 'unexpected'}"
         for name in got["theta"]:
             ulp = want["ulp"].get(name)   # a narrow payload: z (and so v, θ after a restart) may round apart
-            compare(f"round {rnd} rank {r} u[{name}]", got["u"][name], want["u"][r][name])
+            # where a ρ decision rests on rounding (allowed below) the scaled dual follows the engine's ρ: the
+            # unscaled one, ρ·u, is what must agree
+            u_scale = want["rho1"][name] / got["rho1"][name]
+            v_scale = want["rho2"][name] / got["rho2"][name]
+            compare(f"round {rnd} rank {r} u[{name}]", got["u"][name], want["u"][r][name] * u_scale)
             compare(f"round {rnd} rank {r} z_i[{name}]", got["z_i"][name], want["z_i"][node][name])
-            compare(f"round {rnd} rank {r} v[{name}]", got["v"][name], want["v"][node][name], ulp=ulp)
+            compare(f"round {rnd} rank {r} v[{name}]", got["v"][name], want["v"][node][name] * v_scale, ulp=ulp)
             compare(f"round {rnd} rank {r} z[{name}]", got["z"][name], want["z"][name], ulp=ulp)
             if theta:
                 compare(f"round {rnd} rank {r} theta[{name}]", got["theta"][name], want["theta"][r][name], ulp=ulp)
-            assert got["rho1"][name] == want["rho1"][name], (rnd, r, name, got["rho1"][name], want["rho1"][name])
+            assert got["rho1"][name] == want["rho1"][name] or rho1_on_rounding(want, name), \
+                (rnd, r, name, got["rho1"][name], want["rho1"][name], want["residuals"][name])
             assert got["rho2"][name] == want["rho2"][name] or in_exact_agreement(want, name, "inter"), \
                 (rnd, r, name, got["rho2"][name], want["rho2"][name], want["residuals"][name])
         for name, (rows, cols) in got["masks"].items():
             assert torch.equal(rows, want["masks"][name][0]) and torch.equal(cols, want["masks"][name][1]), \
                 (rnd, r, name)
-        assert bool(got["z_hat"]) == ("z_hat" in want), f"rank {r}: acceleration state {'unexpected' if got['z_hat'] else 'missing'}"
-        for name in got["z_hat"]:   # acceleration: where the next round leans, and the momentum's state
-            ulp = want["ulp"].get(name)
-            compare(f"round {rnd} rank {r} z_hat[{name}]", got["z_hat"][name], want["z_hat"][name], ulp=ulp)
-            compare(f"round {rnd} rank {r} z_prev[{name}]", got["z_prev"][name], want["z_prev"][name], ulp=ulp)
-            if name in got["v_prev"] or want["v_prev"][node]:
-                compare(f"round {rnd} rank {r} v_prev[{name}]", got["v_prev"][name], want["v_prev"][node][name],
-                        ulp=ulp)
-            # (a tier in exact agreement, as a conv bias before BatchNorm, compares float32 noise with noise: there
-            # the restart may go either way, and z − z_prev is noise too; a narrow payload's z may round apart)
-            if max(want["residuals"][name][2:4]) > 1e-6:
-                assert got["momentum_a"][name] == want["momentum_a"][name], \
-                    (rnd, r, name, got["momentum_a"][name], want["momentum_a"][name])
-                assert math.isclose(got["combined"][name], want["combined"][name], rel_tol=1e-4 if ulp is None else 1e-2) or \
-                    got["combined"][name] == want["combined"][name], \
-                    (rnd, r, name, got["combined"][name], want["combined"][name])
         for name in got["buffers"] if buffers else ():
             compare(f"round {rnd} rank {r} buffer {name}", got["buffers"][name], want["buffers"][name],
                     ulp=want["ulp"].get("buffer " + name))
@@ -373,8 +344,6 @@ def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buff
                             ulp=want["ulp"][name if key == "ef_spine" else "buffer " + name])
     return {"frozen_before": before[0]["frozen"],
             "compact": {n: [int(r.sum()), int(c.sum())] for n, (r, c) in want["sent_masks"].items()},
-            # acceleration: the extrapolation weight of every tensor this round
-            "gamma": dict(want.get("gamma", {})),
             # the layers whose nodes chose different masks this round: the OR had work to do
             "nodes_differ": sorted(n for n, masks in want["node_masks"].items()
                                    if any(not (torch.equal(m[0], masks[0][0]) and torch.equal(m[1], masks[0][1]))
@@ -403,8 +372,8 @@ def prox_gradient(eng):
 def overlapped_rounds(eng, model, step, x, y, consensus, rounds=ROUNDS, steps=LOCAL_STEPS):
     """``overlap``: ``rounds`` rounds of one rank, recording what :func:`check_overlapped_round` reads: the state
     when each round starts, once it is folded in (where the engine folds it: at the next round, or after
-    ``overlap_steps`` of its local steps), θ and the buffers just before that fold and the local step it came
-    after, and θ with the proximal gradient while it is in flight; ``consensus()`` runs a round and returns
+    ``config.overlap_steps`` of its local steps), θ and the buffers just before that fold and the local step it
+    came after, and θ with the proximal gradient while it is in flight; ``consensus()`` runs a round and returns
     its report."""
     rec = {"before": [], "after": [], "pre_fold": [], "fold_step": [], "launched": [], "reports": [],
            "folded_prox": []}
@@ -432,7 +401,7 @@ def overlapped_rounds(eng, model, step, x, y, consensus, rounds=ROUNDS, steps=LO
         rec["reports"].append(consensus())
         if pending:
             rec["before"].append(rec["after"][-1])
-        elif eng._in_flight is None:   # a blocking round (overlap_after_freeze, before the masks freeze)
+        elif eng._in_flight is None:   # a blocking round (before the masks freeze)
             rec["after"].append(snapshot(eng))
             rec["pre_fold"].append(None)
             rec["fold_step"].append(None)
@@ -445,11 +414,12 @@ def overlapped_rounds(eng, model, step, x, y, consensus, rounds=ROUNDS, steps=LO
 
 
 def check_overlapped_rounds(recs, node_ranks, eng, rounds=ROUNDS):
-    """Every round of :func:`overlapped_rounds`' records: an overlapped one against the delayed math, a blocking
-    one (``overlap_after_freeze``, before the masks freeze) against the blocking round's. Returns the summaries."""
+    """Every round of :func:`overlapped_rounds`' records: an overlapped one (the masks frozen when it starts)
+    against the delayed math, a blocking one (before the masks freeze) against the blocking round's. Returns the
+    summaries."""
     out = []
     for rnd in range(rounds):
-        overlapped = len(node_ranks) > 1 and (recs[0]["before"][rnd]["frozen"] or not eng.config.overlap_after_freeze)
+        overlapped = len(node_ranks) > 1 and recs[0]["before"][rnd]["frozen"]
         assert all(rec["launched"][rnd]["in_flight"] == overlapped for rec in recs), (rnd, overlapped)
         if overlapped:
             out.append(check_overlapped_round(rnd, recs, node_ranks, eng))
@@ -472,8 +442,8 @@ def check_overlapped_round(rnd, recs, node_ranks, eng):
     """The delayed math (docs/algorithm.md, "Overlapped rounds") for round ``rnd``, from every rank's
     :func:`overlapped_rounds` record: once folded in, u, z_i, v, z, ρ, masks and buffers are the blocking round's
     (reference_round of the state it started from). While it is in flight the local steps pull toward its z_i,
-    with its u, at the ρ1 it started with, from θ as sent; the fold moves θ by z − θ_sent (``restart="global"``;
-    z_i − θ_sent with ``"node"``). Returns check_round's summary."""
+    with its u, at the ρ1 it started with, from θ as sent; the fold moves θ by z − θ_sent (``restart="global"``).
+    Returns check_round's summary."""
     before = [rec["before"][rnd] for rec in recs]
     after = [rec["after"][rnd] for rec in recs]
     want = expected_round(rnd, before, after, node_ranks, eng)
@@ -489,8 +459,7 @@ def check_overlapped_round(rnd, recs, node_ranks, eng):
                 compare(f"round {rnd} rank {r} buffer_ef[{name}]", ef,
                         want["buffer_ef"][name][node_of[r]] if leader else torch.zeros_like(ef),
                         ulp=want["ulp"]["buffer " + name])
-    restart, alpha = eng.config.restart, eng.config.relaxation
-    node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
+    restart = eng.config.restart
     fold_at = min(eng.fold_after, LOCAL_STEPS)
     for r, rec in enumerate(recs):
         flight, pre_fold, b = rec["launched"][rnd], rec["pre_fold"][rnd], before[r]
@@ -501,11 +470,10 @@ def check_overlapped_round(rnd, recs, node_ranks, eng):
         for name in b["theta"]:
             ulp = want["ulp"].get(name)
             assert torch.equal(flight["theta"][name], b["theta"][name]), (rnd, r, name)   # steps go on from θ
-            u = b["u"][name].double() + alpha * b["theta"][name].double() + (1 - alpha) * b["z_i"][name].double() \
-                - z_i[name].double()
+            u = b["u"][name].double() + b["theta"][name].double() - z_i[name].double()
             compare(f"round {rnd} rank {r} proximal gradient[{name}] in flight", flight["prox"][name],
                     expected_prox(b, name, flight["theta"][name], z_i[name], u))
-            target = {"global": want["z"][name], "node": z_i[name]}.get(restart, b["theta"][name])
+            target = want["z"][name] if restart == "global" else b["theta"][name]
             folded = pre_fold[name] + (target - b["theta"][name])   # rebased: the steps since, on the consensus
             compare(f"round {rnd} rank {r} theta[{name}] after the fold", after[r]["theta"][name], folded, ulp=ulp)
             a = after[r]   # the steps after the fold pull toward the folded z_i, with its u, at the new ρ1
@@ -600,14 +568,14 @@ def check_rack_ledger(res, per_round, masks, residuals, mask_itemsize=1):
 
 
 def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), payload_bytes=FLOAT_BYTES,
-                  freeze_round=SETTINGS["freeze_round"], budget_floor=None):
+                  freeze_round=SETTINGS["freeze_round"], global_budget=False):
     """What every rank reported after ``ROUNDS`` rounds on M nodes × P ranks: the reference checks ran; the
     leaders' inter-node payload is exactly the compact sizes (plus masks and the residual sum) while non-leaders
     send nothing across (with one node nothing crosses at all); the model is at the requested structure after
     finalize(), the same density on every rank. ``payload_bytes``: the size of one value of the consensus
     exchange (2 with a bf16 / fp16 payload; the dense counterfactual stays in the model's float32).
-    ``budget_floor`` (channel_budget="global"): each layer keeps at least its floor of channels and all of them
-    together no more weights than the per-layer projection would."""
+    ``global_budget`` (channel_budget="global"): each layer keeps at least BUDGET_FLOOR of its channels and all of
+    them together no more weights than the per-layer projection would."""
     topo = results[0]["topology"]
     num_nodes, size = topo["num_nodes"], topo["size"]
     assert results[0]["couplings"] == (couplings or {})
@@ -665,8 +633,8 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
             if stream:     # a stream writer: one filter per channel the stream's readers kept
                 want_rows = keep(float(specs[stream[0][0]].split(":")[1]), c_out)
             assert rows == want_rows, (name, rows)
-            if budget_floor is not None and "channel" in parts:
-                assert keep(budget_floor, c_in) <= channels <= c_in, (name, channels)
+            if global_budget and "channel" in parts:
+                assert keep(BUDGET_FLOOR, c_in) <= channels <= c_in, (name, channels)
                 budget_used[rank] = budget_used.get(rank, 0) + (channels - keep(float(parts["channel"]), c_in)) * \
                     c_out * kh * kw
             elif "channel" in parts:   # a shape stage after it may leave a kept channel without any position

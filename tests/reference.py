@@ -5,6 +5,7 @@ import math
 import torch
 
 from prunex_hvd.engine.sparsity import structured_masks
+from prunex_hvd.engine.sparsity.projection import BUDGET_FLOOR
 
 MU, TAU = 10.0, 2.0
 
@@ -68,12 +69,12 @@ def reference_heads(weights, group, keep):
     return out
 
 
-def reference_budget(weights, specs, floor):
+def reference_budget(weights, specs, floor=BUDGET_FLOOR):
     """One channel budget across the layers held to a plain channel:K / feature:K, written plainly: the budget is
     the per-layer projection's kept weights, sum of ceil(K·C)·m (m = weights in one input channel); each layer
     first keeps its max(1, ceil(floor·C)) channels (at most ceil(K·C)) of largest mean square, then all other
     channels, one list ordered by mean square (ties: layer order, then index), are taken in turn, each kept if
-    its weights fit in what the budget has left."""
+    its weights fit in what the budget has left. ``floor``: the engine's BUDGET_FLOOR unless given."""
     forced, rest, budget = {}, [], 0
     for li, (name, spec) in enumerate(specs.items()):
         if "+" in str(spec) or str(spec).split(":")[0] not in ("channel", "feature"):
@@ -97,7 +98,7 @@ def reference_budget(weights, specs, floor):
     return forced
 
 
-def reference_masks(weights, specs, couplings, streams=(), heads=(), budget_floor=None):
+def reference_masks(weights, specs, couplings, streams=(), heads=(), global_budget=False):
     """Projection supports, written plainly: per layer, except coupled groups (channel-only specs).
 
     A residual stream (readers, writers) first: input channel c of every reader and filter c of every writer
@@ -106,13 +107,13 @@ def reference_masks(weights, specs, couplings, streams=(), heads=(), budget_floo
     its stream's kept input channels; a consumer's shape stage then runs on its kept channels, and the
     producer keeps the filters of the channels the consumer still reads at any kernel position. A layer's
     other side is its own stages on the weight with the group's zeros in. A linear pair (an MLP) is the same
-    with one column per input feature; an attention module's heads are :func:`reference_heads`. ``budget_floor``
+    with one column per input feature; an attention module's heads are :func:`reference_heads`. ``global_budget``
     (channel_budget="global", no couplings): the input channels of :func:`reference_budget`."""
     in_heads = {n for g in heads for n in g.members}
     out = {name: structured_masks(weights[name], spec) for name, spec in specs.items() if name not in in_heads}
-    if budget_floor is not None:
+    if global_budget:
         assert not couplings and not streams
-        for name, ch in reference_budget(weights, specs, budget_floor).items():
+        for name, ch in reference_budget(weights, specs).items():
             w = weights[name]
             out[name] = (torch.ones(w.shape[0], dtype=torch.bool), ch.repeat_interleave(w[0].numel() // w.shape[1]))
     for g in heads:
@@ -153,15 +154,6 @@ def reference_masks(weights, specs, couplings, streams=(), heads=(), budget_floo
     return out
 
 
-def ramped_spec(spec, round_no, ramp_rounds):
-    """The keep ramp written plainly: in round r < R every keep K is K + (1 − K)(1 − r/R)³."""
-    if round_no >= ramp_rounds:
-        return str(spec)
-    extra = (1 - round_no / ramp_rounds) ** 3
-    return "+".join(f"{kind}:{min(1.0, float(k) + (1 - float(k)) * extra)!r}"
-                    for kind, k in (part.split(":") for part in str(spec).split("+")))
-
-
 def _rounded_changes(targets, old, errors, payload, support):
     """Per node: q = round(target − old + e) in ``payload`` (float32 arithmetic, as the engine's state), off the
     support nothing; the new error (target − old + e − q on the support). Returns ([q], [new error])."""
@@ -195,12 +187,12 @@ def _payload_average(sent):
     return _payload_sum(sent).div_(len(sent)).float()
 
 
-def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload, out, averaging=False):
+def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload, out):
     """The rack and global steps of one entry, on the global ``support``: w_r = (ρ2·Σ_{i∈r}(z_i + v_i) +
     ρ3·(z − t_r)) / (N·ρ2 + ρ3), z = mean_r(w_r + t_r). With a narrow ``payload`` each sum travels as rounded
     changes with error feedback: z_i + v_i − w_r + e_i (node leaders, ``ef``), w_r + t_r − z + f_r (rack
     leaders, ``ef_spine``); the new errors and the payload step go into ``out``. Returns (w, t, w_old per rack,
-    z). ``averaging`` (retrain="average" once frozen): w_r = mean_{i∈r} z_i, the duals at 0."""
+    z)."""
     d = lambda x: x.double()  # noqa: E731
     rho2, rho3, N = states[0]["rho2"][name], states[0]["rho3"][name], len(racks[0])
     leader = [node_ranks[nodes[0]][0] for nodes in racks]   # a rank of the rack, holding its w_r and t_r
@@ -218,8 +210,7 @@ def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload
                 out["ef"][name][i] = error
             sums.append(d(_payload_sum(sent).float()) + N * w_old[k] * support)
             ulps.append(payload_ulp(sent))
-    w = [support * (sums[k] / N if averaging else (rho2 * sums[k] + rho3 * (z_old - t[k])) / (N * rho2 + rho3))
-         for k in range(len(racks))]
+    w = [support * (rho2 * sums[k] + rho3 * (z_old - t[k])) / (N * rho2 + rho3) for k in range(len(racks))]
     if payload is None:
         return w, t, w_old, torch.stack([w[k] + t[k] for k in range(len(racks))]).mean(0) * support
     sent, out["ef_spine"][name] = _rounded_changes([(w[k] + t[k]).float() for k in range(len(racks))],
@@ -229,66 +220,43 @@ def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload
     return w, t, w_old, d(_payload_average(sent) + states[0]["z"][name].masked_fill(~on, 0))
 
 
-def released_rho(rho, start):
-    """The release's rule, as the reference states it: ρ halved a round, not below ``start``, never raised."""
-    return rho if rho <= start else max(rho / 2, start)
-
-
-def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive=True, balance_upper=True,
-                    freezes=False, couplings=None, streams=(), restart="none", relaxation=1.0, rho_growth=1.0,
-                    round_specs=None, payload=None, racks=None, heads=(), acceleration="none", outer_momentum=0.5,
-                    retrain="admm", release_upper=False, upper_starts=(None, None), budget_floor=None):
+def reference_round(states, node_ranks, specs, rho_max, adaptive=True, freezes=False, couplings=None, streams=(),
+                    restart="none", payload=None, racks=None, heads=(), global_budget=False):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
     frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers, and θ
-    per rank (where ``restart`` moves it). ``adaptive``: residual balancing of ρ1, and with ``balance_upper``
-    of ρ2 and ρ3 too. ``freezes``: the masks freeze at the end of this round, cut to the
-    requested structure from z. ``relaxation`` α: the next tier and the duals see α·θ + (1 − α)·z_i_old and
-    α·z_i + (1 − α)·z_old; ``rho_growth``: every ρ times it after balancing, capped; ``round_specs``: the specs
-    this round projects onto (a keep ramp), ``specs`` by default. ``payload`` (a torch dtype narrower than
-    float32, M > 1): what the leaders send is rounded(z_i + v_i − z_old + e_i) on the support, e_i their
-    leftover rounding error (``ef``, ``buffer_ef`` in the states, returned updated), added up in node order in
-    the payload's dtype, averaged, and added to z_old (the float buffers likewise against ``round_buffers``).
-    ``racks`` (the nodes of every rack; docs/algorithm.md, "A third tier: racks"): three tiers, z_i answering to
-    its rack's w_r (``w``, ``t``, ``rho3`` in the states, returned per rack); no payload or relaxation there.
-    ``acceleration`` (M > 1, two tiers): the round leans on the extrapolated ``z_hat`` of the states in place of
-    z (the candidate, the relaxed z_i, s_inter), and ends with :func:`reference_extrapolation`. ``retrain``
-    "average": once frozen, z_i = mean_j(θ̂_ij + u_ij) (w_r likewise), no dual ascent and ρ held (all 0 since
-    the freeze); the round that freezes zeroes the duals and the ρ's after its freeze. ``release_upper`` (a round
-    from ``rho2_release_round`` on): ρ2 and ρ3 are neither balanced nor grown but halved, down to no lower than
-    ``upper_starts`` (the ρ2 and ρ3 the run began with), and left alone if already there or below.
-    ``budget_floor``: the projections keep the channels of one budget across layers (:func:`reference_budget`)."""
+    per rank (where ``restart="global"`` moves it to z). ``adaptive``: residual balancing of ρ1, ρ2 and ρ3.
+    ``freezes``: the masks freeze at the end of this round, cut to the requested structure from z. ``payload``
+    (a torch dtype narrower than float32, M > 1): what the leaders send is rounded(z_i + v_i − z_old + e_i) on
+    the support, e_i their leftover rounding error (``ef``, ``buffer_ef`` in the states, returned updated),
+    added up in node order in the payload's dtype, averaged, and added to z_old (the float buffers likewise
+    against ``round_buffers``). ``racks`` (the nodes of every rack; docs/algorithm.md, "A third tier: racks"):
+    three tiers, z_i answering to its rack's w_r (``w``, ``t``, ``rho3`` in the states, returned per rack).
+    ``global_budget``: the projections keep the channels of one budget across layers (:func:`reference_budget`)."""
     M, P = len(node_ranks), len(node_ranks[0])
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
     rack_of = {i: k for k, nodes in enumerate(racks or ()) for i in nodes}
-    assert not racks or (relaxation == 1.0 and acceleration == "none")
-    accelerated = acceleration != "none" and M > 1
+    assert restart in ("none", "global"), restart
     frozen = states[0]["frozen"]
-    averaging = frozen and retrain == "average"
     out = {"u": [{} for _ in states], "z_i": [{} for _ in range(M)], "v": [{} for _ in range(M)], "z": {},
            "rho1": {}, "rho2": {}, "masks": {}, "sent_masks": {}, "node_masks": {}, "buffers": {}, "residuals": {},
            "ef": {}, "buffer_ef": {}, "ulp": {}, "w": [{} for _ in racks or ()], "t": [{} for _ in racks or ()], "rho3": {},
            "ef_spine": {}, "buffer_ef_spine": {}}
     d = lambda t: t.double()  # noqa: E731
     couplings = couplings or {}
-    alpha = relaxation
-    relaxed_theta = {name: [alpha * d(s["theta"][name]) + (1 - alpha) * d(s["z_i"][name]) for s in states]
-                     for name in states[0]["theta"]}
     cands = {}
     for name in states[0]["theta"]:
         rho1, rho2 = states[0]["rho1"][name], states[0]["rho2"][name]
-        z_old = d(states[0]["z_hat" if accelerated else "z"][name])   # the point the round leans on
+        z_old = d(states[0]["z"][name])
         cands[name] = []
         for i, ranks in enumerate(node_ranks):
-            node_sum = sum(relaxed_theta[name][r] + d(states[r]["u"][name]) for r in ranks)
+            node_sum = sum(d(states[r]["theta"][name]) + d(states[r]["u"][name]) for r in ranks)
             upper = d(states[ranks[0]]["w"][name]) if racks else z_old   # the consensus z_i answers to
-            cands[name].append(node_sum / P if averaging else
-                               (rho1 * node_sum + rho2 * (upper - d(states[ranks[0]]["v"][name])))
-                               / (weight_decay_z / M + P * rho1 + rho2))
-    projected = [reference_masks({n: cands[n][i].float() for n in specs}, round_specs or specs, couplings, streams,
-                                 heads, budget_floor) for i in range(M)]
+            cands[name].append((rho1 * node_sum + rho2 * (upper - d(states[ranks[0]]["v"][name]))) / (P * rho1 + rho2))
+    projected = [reference_masks({n: cands[n][i].float() for n in specs}, specs, couplings, streams, heads,
+                                 global_budget) for i in range(M)]
     for name in states[0]["theta"]:
         rho1, rho2 = states[0]["rho1"][name], states[0]["rho2"][name]
-        z_old = d(states[0]["z_hat" if accelerated else "z"][name])   # (what a narrow payload's change is from: z)
+        z_old = d(states[0]["z"][name])
         z_i, node_masks = [], []
         for i, ranks in enumerate(node_ranks):
             cand = cands[name][i]
@@ -305,15 +273,13 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             out["node_masks"][name] = node_masks   # each node's own, before the OR
             support = torch.outer(rows, cols).reshape(z_old.shape).double()
         v = [d(states[ranks[0]]["v"][name]) for ranks in node_ranks]
-        relaxed_z_i = [alpha * z_i[i] + (1 - alpha) * z_old for i in range(M)]
         if racks:
-            w, t, w_old, z = _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload, out,
-                                         averaging)
+            w, t, w_old, z = _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload, out)
             upper = [w[rack_of[i]] for i in range(M)]
         elif payload is None:
-            z = torch.stack([relaxed_z_i[i] + v[i] for i in range(M)]).mean(0) * support
+            z = torch.stack([z_i[i] + v[i] for i in range(M)]).mean(0) * support
         else:
-            sent, out["ef"][name] = _rounded_changes([(relaxed_z_i[i] + v[i]).float() for i in range(M)],
+            sent, out["ef"][name] = _rounded_changes([(z_i[i] + v[i]).float() for i in range(M)],
                                                      states[0]["z"][name],
                                                      [states[ranks[0]]["ef"][name] for ranks in node_ranks],
                                                      payload, support.bool())
@@ -337,49 +303,30 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             s_inter = rho2 * math.sqrt(sum(float((z - z_old).pow(2).sum()) for _ in range(M)))
         new1 = _adapt(rho1, r_intra, s_intra, rho_max) if adaptive else rho1
         # one node: no inter-node tier to balance (r_inter is 0 by construction)
-        new2 = _adapt(rho2, r_inter, s_inter, rho_max) if adaptive and balance_upper and M > 1 else rho2
-        new1 = min(new1 * rho_growth, rho_max)
-        new2 = min(new2 * rho_growth, rho_max) if M > 1 else new2
-        if release_upper and M > 1 and (adaptive or rho_growth != 1.0):
-            new2 = released_rho(rho2, upper_starts[0])
-        if averaging:   # no penalties: ρ stays 0 and so do the duals
-            new1, new2 = rho1, rho2
+        new2 = _adapt(rho2, r_inter, s_inter, rho_max) if adaptive and M > 1 else rho2
         if racks:
             rho3 = states[0]["rho3"][name]
-            new3 = rho3 if averaging else \
-                min((_adapt(rho3, r_spine, s_spine, rho_max) if adaptive and balance_upper else rho3) * rho_growth,
-                    rho_max)
-            if release_upper and not averaging and (adaptive or rho_growth != 1.0):
-                new3 = released_rho(rho3, upper_starts[1])
+            new3 = _adapt(rho3, r_spine, s_spine, rho_max) if adaptive else rho3
             out["rho3"][name] = new3
             for k in range(len(racks)):
                 out["w"][k][name] = w[k].float()
-                out["t"][k][name] = t[k].float() if averaging else ((t[k] + w[k] - z) * (rho3 / new3)).float()
+                out["t"][k][name] = ((t[k] + w[k] - z) * (rho3 / new3)).float()
         for i in range(M):
             out["z_i"][i][name] = z_i[i].float()
-            out["v"][i][name] = v[i].float() if averaging else \
-                ((v[i] + relaxed_z_i[i] - upper[i]) * (rho2 / new2)).float()
+            out["v"][i][name] = ((v[i] + z_i[i] - upper[i]) * (rho2 / new2)).float()
         for r, s in enumerate(states):
-            out["u"][r][name] = s["u"][name].float() if averaging else \
-                ((d(s["u"][name]) + relaxed_theta[name][r] - z_i[node_of[r]]) * (rho1 / new1)).float()
+            out["u"][r][name] = ((d(s["u"][name]) + d(s["theta"][name]) - z_i[node_of[r]]) * (rho1 / new1)).float()
         out["z"][name] = z.float()
         out["rho1"][name], out["rho2"][name] = new1, new2
         out["residuals"][name] = (r_intra, s_intra) + ((r_inter, s_inter) if M > 1 else ()) + \
             ((r_spine, s_spine) if racks else ())
     if freezes:
         for name, (rows, cols) in reference_masks({n: out["z"][n] for n in specs}, specs, couplings,
-                                                  streams, heads, budget_floor).items():
+                                                  streams, heads, global_budget).items():
             out["masks"][name] = (rows, cols)
             out["z"][name] = out["z"][name] * torch.outer(rows, cols).reshape(out["z"][name].shape)
             for w in out["w"]:   # with racks, w_r is cut to the frozen structure as z is
                 w[name] = w[name] * torch.outer(rows, cols).reshape(w[name].shape)
-        if retrain == "average":   # from the next round on the rounds average: no penalties, no duals
-            for name in out["z"]:
-                for dual in [out["u"][r] for r in range(len(states))] + out["v"] + out["t"]:
-                    dual[name] = torch.zeros_like(dual[name])
-                out["rho1"][name] = out["rho2"][name] = 0.0
-                if racks:
-                    out["rho3"][name] = 0.0
     for name in states[0]["buffers"]:
         if payload is None:
             out["buffers"][name] = torch.stack([d(s["buffers"][name]) for s in states]).mean(0).float()
@@ -399,47 +346,7 @@ def reference_round(states, node_ranks, specs, weight_decay_z, rho_max, adaptive
             out["ulp"]["buffer " + name] = max(rack_ulp, payload_ulp(sent))
         out["buffers"][name] = states[0]["round_buffers"][name] + _payload_average(sent)
         out["ulp"]["buffer " + name] = payload_ulp(sent)
-    if accelerated:
-        reference_extrapolation(out, states, node_ranks, specs, acceleration, outer_momentum, freezes)
-    # where θ starts the next local steps: the consensus (after the freeze's cut; accelerated: its extrapolation),
-    # or where the steps left it
-    out["theta"] = [{name: out["z_hat" if accelerated else "z"][name] if restart == "global" else
-                     out["z_i"][node_of[r]][name] if restart == "node" else s["theta"][name]
-                     for name in s["theta"]} for r, s in enumerate(states)]
+    # where θ starts the next local steps: the consensus (after the freeze's cut), or where the steps left it
+    out["theta"] = [{name: out["z"][name] if restart == "global" else s["theta"][name] for name in s["theta"]}
+                    for s in states]
     return out
-
-
-def reference_extrapolation(out, states, node_ranks, specs, acceleration, outer_momentum, froze):
-    """The end of an accelerated round (docs/algorithm.md, "Accelerations"), on ``reference_round``'s ``out``:
-    ``"nesterov"``: ẑ = z + β(z − z_prev); ``"fast-admm"`` (Goldstein et al. 2014, Alg. 8): ẑ and v̂_i = v_i +
-    γ(v_i − v_prev_i) with γ = (a − 1)/a', a' = (1 + √(1 + 4a²))/2, while c = ρ2·r_inter² + s_inter²/ρ2 (the round's
-    ρ2) is below 0.999× the last round's c and ρ2 held and the masks did not freeze; else a = 1, γ = 0. ẑ is cut to
-    the global support. Adds z_hat, z_prev, momentum_a, combined, and v_prev per node; v becomes v̂."""
-    for key in ("z_hat", "z_prev", "momentum_a", "combined"):
-        out[key] = {}
-    out["v_prev"] = [{} for _ in node_ranks]
-    for name in states[0]["theta"]:
-        z = out["z"][name].double()
-        if acceleration == "nesterov":
-            gamma, a, c = outer_momentum, states[0]["momentum_a"][name], states[0]["combined"][name]
-        else:
-            rho2 = states[0]["rho2"][name]
-            r_inter, s_inter = out["residuals"][name][2:4]
-            c = rho2 * r_inter ** 2 + s_inter ** 2 / rho2
-            if froze or out["rho2"][name] != rho2 or not c < 0.999 * states[0]["combined"][name]:
-                a, gamma = 1.0, 0.0
-            else:
-                a0 = states[0]["momentum_a"][name]
-                a = (1 + math.sqrt(1 + 4 * a0 * a0)) / 2
-                gamma = (a0 - 1) / a
-            for i, ranks in enumerate(node_ranks):
-                v = out["v"][i][name].double()
-                out["v_prev"][i][name] = v.float()
-                out["v"][i][name] = (v + gamma * (v - states[ranks[0]]["v_prev"][name].double())).float()
-        z_hat = z + gamma * (z - states[0]["z_prev"][name].double())
-        if name in specs:
-            rows, cols = out["masks"][name]
-            z_hat = z_hat * torch.outer(rows, cols).reshape(z.shape)
-        out["z_hat"][name], out["z_prev"][name] = z_hat.float(), z.float()
-        out["momentum_a"][name], out["combined"][name] = a, c
-        out.setdefault("gamma", {})[name] = gamma

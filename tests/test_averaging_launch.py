@@ -44,27 +44,6 @@ def test_rivals_match_the_reference_under_mpirun(tmp_path):
     check_bytes(worker_results(proc, tmp_path, "averaging"))
 
 
-@needs_mpirun
-def test_rivals_with_a_synchronous_phase_match_the_reference_under_mpirun(tmp_path):
-    """sync_rounds=1 (post-local SGD): the first round's steps on the world's mean gradient, then the methods'
-    own rounds, every step against the reference; the phase's gradients are what crosses nodes beyond the
-    rounds': one allreduce of the parameters' size a step, in place of the first world round's."""
-    proc = run(mpirun(4, python_cmd("averaging_worker.py", "--methods", ",".join(METHODS), "--sync-rounds", "1",
-                                    "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]), timeout=300)
-    results = worker_results(proc, tmp_path, "averaging")
-    numels = results[0]["numels"]
-    params, buffers = 4 * numels["params"], 4 * numels["buffers"]
-    for method in METHODS:
-        per_rank = [r[method]["stats"] for r in results]
-        assert all(s["rounds"] == WORLD_ROUNDS and s["steps"] == STEPS for s in per_rank), (method, per_rank)
-        # PERIOD steps of gradients and every round's buffers; the parameters in the rounds after the phase
-        world = ring_sent(params, 4) * (PERIOD + WORLD_ROUNDS - 1) + ring_sent(buffers, 4) * WORLD_ROUNDS
-        assert [s["inter_bytes"] for s in per_rank] == [0, world, 0, world], method
-        # every rank sends the same on the world ring; hierarchical local SGD's node rounds come after the phase
-        node = ring_sent(params, 2) * (NODE_ROUNDS - 1) if method == "localsgd-hier" else 0   # steps 6, 10
-        assert [s["intra_bytes"] for s in per_rank] == [world + node, node, world + node, node], method
-
-
 @needs_horovod
 def test_rivals_match_the_reference_under_horovodrun(tmp_path):
     proc = run(horovodrun(4, "localhost:2,127.0.0.1:2",

@@ -124,14 +124,22 @@ def test_snapshot_and_restore_put_every_buffer_back():
     assert int(net[1].num_batches_tracked) == 0 and torch.equal(net[1].running_mean, torch.full((4,), 3.0))
 
 
+def recalibrating(folder, batches):
+    """The command line's flags for ``bn_recalibrate=batches`` (a --config file's setting, written in
+    ``folder``)."""
+    path = folder / f"recalibrate-{batches}.json"
+    path.write_text(json.dumps({"bn_recalibrate": batches}))
+    return ["--config", str(path)]
+
+
 @pytest.mark.usefixtures("single_process")   # conftest.py
 def test_train_evaluates_recalibrated_and_trains_the_same(tmp_path, capsys):
     """The same job with and without recalibration: the same training (curve of the round's statistics, final
     weights), a final model that keeps statistics of its own weights, and its accuracy in the summary."""
-    args = ["train", "--model", "resnet_small", "--dataset", "digits", "--threads", "1", "--no-progress",
+    args = ["train", "--model", "resnet_small", "--dataset", "digits", "--threads", "1",
             "--epochs", "2", "--batch-size", "32", "--local-steps", "20"]
-    assert cli.main(args + ["--bn-recalibrate", "0", "--out", str(tmp_path / "off")]) == 0, capsys.readouterr()
-    assert cli.main(args + ["--bn-recalibrate", "3", "--out", str(tmp_path / "on")]) == 0, capsys.readouterr()
+    assert cli.main(args + [*recalibrating(tmp_path, 0), "--out", str(tmp_path / "off")]) == 0, capsys.readouterr()
+    assert cli.main(args + [*recalibrating(tmp_path, 3), "--out", str(tmp_path / "on")]) == 0, capsys.readouterr()
     rounds = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
               for name in ("off", "on")}
     off = [r for r in rounds["off"] if r.get("test_acc") is not None]
@@ -163,10 +171,10 @@ def test_the_final_statistics_stop_at_the_cap(tmp_path, capsys, monkeypatch):
     """An epoch longer than FINAL_BN_BATCHES: the final model's statistics come from that many batches."""
     from prunex_hvd.app import train
     monkeypatch.setattr(train, "FINAL_BN_BATCHES", 5)
-    args = ["train", "--model", "resnet_small", "--dataset", "digits", "--threads", "1", "--no-progress",
-            "--epochs", "1", "--batch-size", "32", "--local-steps", "20", "--bn-recalibrate", "3",
-            "--out", str(tmp_path)]
+    args = ["train", "--model", "resnet_small", "--dataset", "digits", "--threads", "1",
+            "--epochs", "1", "--batch-size", "32", "--local-steps", "20", *recalibrating(tmp_path, 3),
+            "--out", str(tmp_path / "run")]
     assert cli.main(args) == 0, capsys.readouterr()
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    final = torch.load(tmp_path / "final_model.pt")["state_dict"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    final = torch.load(tmp_path / "run" / "final_model.pt")["state_dict"]
     assert summary["steps"] > 5 and int(final["bn1.num_batches_tracked"]) == 5

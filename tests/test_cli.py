@@ -67,3 +67,145 @@ def test_info_shows_racks_from_the_environment():
     said = re.findall(r"\[rank (\d)\] refused: ranks disagree about nodes_per_rack \(PRUNEX_NODES_PER_RACK\): "
                       r"2 on ranks 0,1,2,3,4,6,7; 4 on ranks 5\.", proc.stdout)
     assert sorted(map(int, said)) == list(range(8)), proc.stdout[-3000:]
+
+
+# -- train's flags: the recipe's few, each with its default; the removed ones and the config-only ones named -----
+
+def _train_config(*argv):
+    """``prunex-hvd train ARGV``'s TrainConfig, as main() builds it (no launch)."""
+    from prunex_hvd.app import cli
+    return cli._train_config(cli.parse(["train", *argv]))
+
+
+def _exits(argv, capsys):
+    """main(argv)'s exit status and what it wrote, for a command line refused before anything runs."""
+    from prunex_hvd.app import cli
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+def test_train_help_shows_at_most_40_options_each_with_its_default(capsys):
+    code, out, _ = _exits(["train", "--help"], capsys)
+    assert code == 0
+    entries, entry = [], None   # each option's lines: from its "  -X" line to the next one or a group's heading
+    for line in out.splitlines():
+        if re.match(r"  -", line):
+            entry = [line]
+            entries.append(entry)
+        elif entry is not None and line.startswith("   "):
+            entry.append(line)
+        else:
+            entry = None
+    options = {re.match(r"\s*(-[-\w]+)", e[0]).group(1): " ".join(s.strip() for s in e) for e in entries}
+    assert 30 <= len(options) <= 40, sorted(options)
+    assert {"-h", "--sparsity", "--rho-max", "--overlap", "--paper", "--config", "--warmup-epochs"} <= set(options)
+    assert [o for o, text in options.items() if o != "-h" and "(default:" not in text] == []
+    assert "(default:" not in options["-h"]
+
+
+def test_version(capsys):
+    import prunex_hvd
+    code, out, _ = _exits(["--version"], capsys)
+    assert code == 0 and out.strip() == f"prunex-hvd {prunex_hvd.__version__}"
+    proc = subprocess.run([str(BIN / "prunex-hvd"), "--version"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"prunex-hvd {prunex_hvd.__version__}"
+
+
+@pytest.mark.parametrize("argv,knob", [
+    (["--relaxation", "1.6"], "relaxation"), (["--keep-ramp-rounds", "2"], "keep_ramp_rounds"),
+    (["--sync-rounds", "1"], "sync_rounds"), (["--retrain", "average"], "retrain"),
+    (["--no-masked-retrain"], "masked_retrain"), (["--overlap-steps", "2"], "overlap_steps"),
+    (["--outer-momentum=0.5"], "acceleration"), (["--budget-floor", "0.2"], "budget_floor"),
+])
+def test_a_removed_knobs_flag_exits_2_naming_the_log_entry(argv, knob, capsys):
+    flag = argv[0].split("=")[0]
+    for command in ("train", "compare"):
+        code, _, err = _exits([command, "--epochs", "1", *argv], capsys)
+        assert code == 2
+        assert err == f"prunex-hvd: error: {flag} was removed: the measurements did not earn it a place " \
+                      f"(benchmarks/log/removed-knobs.md, '{knob}', says what it did and the commit to bring it " \
+                      f"back from)\n"
+
+
+def test_every_removed_flag_names_an_entry_of_the_log():
+    from prunex_hvd.app import cli
+    log = (REPO / "benchmarks" / "log" / "removed-knobs.md").read_text()
+    assert {entry for entry in cli.REMOVED_FLAGS.values() if f"\n## {entry}\n" not in log} == set()
+
+
+@pytest.mark.parametrize("argv,name", [(["--restart", "none"], "restart"), (["--no-adaptive-rho"], "adaptive_rho"),
+                                       (["--bucket-mb", "2"], "bucket_mb"), (["--no-progress"], "progress"),
+                                       (["--freeze-patience=5"], "freeze_patience")])
+def test_a_config_only_setting_exits_2_saying_to_use_config(argv, name, capsys):
+    code, _, err = _exits(["train", *argv], capsys)
+    assert code == 2
+    assert err.startswith(f"prunex-hvd: error: {argv[0].split('=')[0]} is not a flag: set {name!r} in a --config "
+                          f"JSON file"), err
+
+
+def test_coupled_streams_is_now_a_value_of_coupled(capsys):
+    code, _, err = _exits(["train", "--coupled-streams"], capsys)
+    assert code == 2 and err == "prunex-hvd: error: --coupled-streams is now --coupled streams\n"
+    assert _train_config("--coupled", "streams").consensus.coupled == "streams"
+
+
+def test_config_takes_a_runs_config_json_or_plain_settings_and_the_flags_go_over_it(tmp_path):
+    from prunex_hvd.app.train import TrainConfig
+    from prunex_hvd.engine.config import ConsensusConfig
+    run = TrainConfig.from_flat(rho1=0.3, rho2=0.004, restart="none", bucket_mb=2.0, lr=0.1, local_steps=7,
+                                nesterov=True, epochs=3, out=str(tmp_path / "old"), resume=True)
+    written = tmp_path / "config.json"
+    written.write_text(json.dumps({"config": run.as_dict(), "meta": {"model": run.model}, "threads_per_rank": 1}))
+    got = _train_config("--config", str(written))
+    assert got == TrainConfig.from_flat(**dict(run.as_dict(), out=TrainConfig.out, resume=False))   # where and
+    # whether to resume are this launch's own
+    over = _train_config("--config", str(written), "--rho1", "0.5", "--lr=0.2", "--epochs", "4")
+    assert (over.consensus.rho1, over.lr, over.epochs) == (0.5, 0.2, 4.0)
+    assert (over.consensus.rho2, over.consensus.restart, over.consensus.local_steps, over.nesterov) == \
+        (0.004, "none", 7, True)   # what no flag on the command line gave stays the file's
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"restart": "none", "adaptive_rho": False, "bucket_mb": 2, "augment": "none",
+                                 "diloco_outer_lr": 0.5}))
+    got = _train_config("--config", str(plain), "--rho2", "0.003")
+    assert got.consensus == ConsensusConfig(restart="none", adaptive_rho=False, bucket_mb=2, rho2=0.003)
+    assert (got.augment, got.diloco_outer_lr) == ("none", 0.5)
+    assert _train_config("--config", str(plain), "--paper").consensus == \
+        ConsensusConfig.paper(restart="none", adaptive_rho=False, bucket_mb=2)
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"rho": 0.1}, r"'rho' is not a setting of prunex-hvd train"),
+    ({"rho1": 0.1, "relaxation": 1.5}, r"relaxation 1\.5 was removed \(benchmarks/log/removed-knobs\.md, 'relaxation'\)"),
+    ({"config": {"retrain": "average"}}, r"retrain 'average' was removed \(benchmarks/log/removed-knobs\.md, 'retrain'\)"),
+    ([1, 2], r"expected a JSON object of settings, got list"),
+])
+def test_config_refuses_a_setting_it_does_not_have(tmp_path, settings, message):
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match=rf"^--config {re.escape(str(path))}: {message}"):
+        _train_config("--config", str(path))
+    with pytest.raises(ValueError, match=r"^--config .*missing\.json: "):
+        _train_config("--config", str(tmp_path / "missing.json"))
+
+
+def test_config_reads_an_earlier_versions_config_json_where_its_removed_knobs_were_off(tmp_path):
+    """A run's config.json from before the removals holds every removed knob: at their off values they mean
+    nothing and are dropped, and round_pull (the lr's cap on rho) is rho_max="auto" now; on, they are refused."""
+    from prunex_hvd.app.train import REMOVED_OFF, TrainConfig
+    old = dict(REMOVED_OFF, outer_momentum=0.5, rho1=0.01, rho2=0.001, rho_max=10.0, restart="global",
+               payload_dtype="bf16", lr=0.05, epochs=3)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"config": old}))
+    got = _train_config("--config", str(path))
+    assert got.consensus.rho_max == "auto" and (got.lr, got.epochs) == (0.05, 3.0)
+    assert got == TrainConfig.from_flat(rho1=0.01, rho2=0.001, rho_max="auto", restart="global",
+                                        payload_dtype="bf16", lr=0.05, epochs=3)
+    path.write_text(json.dumps({"config": dict(old, round_pull=None, rho_max=0.5)}))
+    assert _train_config("--config", str(path)).consensus.rho_max == 0.5   # a number asked for
+    path.write_text(json.dumps({"config": dict(old, sync_rounds=2)}))
+    with pytest.raises(ValueError, match=r"sync_rounds 2 was removed \(benchmarks/log/removed-knobs\.md, "
+                                         r"'sync_rounds'\)"):
+        _train_config("--config", str(path))

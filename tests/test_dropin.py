@@ -219,7 +219,10 @@ def test_horovods_first_line_says_to_pass_the_model():
 
 def test_horovods_compression_and_op():
     model = toy_cnn(0)
-    assert wrapped(model, compression=horovod_compression("none"))._engine.config.payload_dtype is None
+    # none changes nothing: the recipe's bf16, or the payload asked for
+    assert wrapped(model, compression=horovod_compression("none"))._engine.config.payload_dtype == "bf16"
+    assert wrapped(model, compression=horovod_compression("none"), payload_dtype=None)._engine.config.payload_dtype \
+        is None
     assert wrapped(model, compression=horovod_compression("fp16"))._engine.config.payload_dtype == "fp16"
     with pytest.raises(ValueError, match=r"asks for payload_dtype='fp16', but payload_dtype='bf16'"):
         wrapped(model, compression=horovod_compression("fp16"), payload_dtype="bf16")

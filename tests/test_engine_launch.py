@@ -19,8 +19,10 @@ pytestmark = pytest.mark.launch
 MIXED_ARG = json.dumps(MIXED_SPARSITY)
 
 
-def check(proc, tmp_path, specs, mask_itemsize=1, couplings=None, streams=(), payload_bytes=4):
-    check_results(worker_results(proc, tmp_path, "engine"), specs, mask_itemsize, couplings, streams, payload_bytes)
+def check(proc, tmp_path, specs, mask_itemsize=1, couplings=None, streams=(), payload_bytes=4,
+          freeze_round=cases.SETTINGS["freeze_round"]):
+    check_results(worker_results(proc, tmp_path, "engine"), specs, mask_itemsize, couplings, streams, payload_bytes,
+                  freeze_round=freeze_round)
 
 
 @needs_mpirun
@@ -47,21 +49,6 @@ def test_engine_mpirun_node_sync(tmp_path):
 
 
 @needs_mpirun
-@pytest.mark.parametrize("backend", ["mpi", "gloo"])
-def test_engine_mpirun_sync_phase_at_powersgd_rank(tmp_path, backend):
-    """sync_powersgd_rank under a real launch: the leaders exchange each matrix's P and Q every step of the
-    synchronous phase, and every rank of both nodes still steps on one gradient (the worker checks one θ
-    everywhere at each synchronous round, then the ADMM rounds against the reference; the math itself against a
-    single-process PowerSGD in test_engine_threads.py)."""
-    proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", backend, "--node-sync", "--sync-rounds", "2",
-                                    "--sync-powersgd-rank", "1", "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
-    results = worker_results(proc, tmp_path, "engine")
-    assert results[0]["checks"] == len(results) * cases.ROUNDS
-    leaders = [r for r in results if r["rank"] in (0, 2)]
-    assert all(r["ledger"]["inter"]["ops"] > 0 for r in leaders)
-
-
-@needs_mpirun
 @pytest.mark.parametrize("backend,model,payload", [("gloo", "vit", "bf16"), ("mpi", "mha", "fp32")])
 def test_engine_mpirun_attention_heads_and_mlp_neurons(tmp_path, backend, model, payload):
     """Beyond convs under a real launch: a ViT block (separate q/k/v) and nn.MultiheadAttention (packed), half
@@ -72,19 +59,6 @@ def test_engine_mpirun_attention_heads_and_mlp_neurons(tmp_path, backend, model,
                       ["PRUNEX_RANKS_PER_NODE=2"]))
     specs, pairs = (cases.VIT_COUPLED, cases.VIT_PAIR) if model == "vit" else (cases.MHA_COUPLED, cases.MHA_PAIR)
     check(proc, tmp_path, specs, couplings=pairs, payload_bytes=2 if payload != "fp32" else 4)
-
-
-@needs_mpirun
-@pytest.mark.parametrize("backend,acceleration", [("mpi", "fast-admm"), ("gloo", "nesterov")])
-def test_engine_mpirun_accelerated(tmp_path, backend, acceleration):
-    """Momentum across rounds under a real launch (ρ held, so fast ADMM's momentum builds; bf16 payload and
-    node_sync, as in the recipe): every round, with ẑ, v̂ and the momentum's state, matches the reference."""
-    proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", backend, "--acceleration", acceleration,
-                                    "--fixed-rho", "--node-sync", "--payload-dtype", "bf16", "--out", str(tmp_path)),
-                      ["PRUNEX_RANKS_PER_NODE=2"]))
-    check(proc, tmp_path, CHANNEL, payload_bytes=2)
-    ref_rounds = worker_results(proc, tmp_path, "engine")[0]["ref_rounds"]
-    assert any(g > 0 for rnd in ref_rounds for g in rnd["gamma"].values())   # the momentum moved ẑ
 
 
 @needs_mpirun
@@ -99,25 +73,28 @@ def test_engine_mpirun_half_payload(tmp_path, payload):
 
 
 @needs_mpirun
-@pytest.mark.parametrize("backend,fold", [("mpi", []), ("gloo", ["--overlap-steps", "2"]),
-                                          ("mpi", ["--overlap-steps", "1", "--overlap-after-freeze"])],
+@pytest.mark.parametrize("backend,fold,freeze_round", [("mpi", [], 0), ("gloo", ["2"], 0), ("mpi", ["1"], 3)],
                          ids=["mpi", "gloo-2-steps", "mpi-after-freeze"])
-def test_engine_mpirun_overlapped(tmp_path, backend, fold):
-    """overlap=True under mpirun: the leaders' exchange runs on MPI's comm thread (mpi) or Gloo's own async op
+def test_engine_mpirun_overlapped(tmp_path, backend, fold, freeze_round):
+    """overlap under mpirun: the leaders' exchange runs on MPI's comm thread (mpi) or Gloo's own async op
     while the ranks step, with node_sync's per-step allreduces on the node group meanwhile; every round, once
     folded in (at the next round; with Gloo after 2 of its steps), matches the reference, and the flight's
-    steps the delayed math (the worker checks); after freezing only, the rounds before block."""
+    steps the delayed math (the worker checks). Rounds overlap once the masks are frozen: from the first with
+    masks chosen at the start (freeze_round=0); with freeze_round=3 rounds 1-3 block and round 4 is in flight."""
     proc = run(mpirun(4, python_cmd("engine_worker.py", "--backend", backend, "--overlap", *fold, "--node-sync",
-                                    "--payload-dtype", "bf16", "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
-    check(proc, tmp_path, CHANNEL, payload_bytes=2)
+                                    "--payload-dtype", "bf16", "--freeze-round", str(freeze_round),
+                                    "--out", str(tmp_path)), ["PRUNEX_RANKS_PER_NODE=2"]))
+    check(proc, tmp_path, CHANNEL, payload_bytes=2, freeze_round=freeze_round)
 
 
 @needs_horovod
 def test_engine_horovodrun_overlapped(tmp_path):
-    """overlap=True under horovodrun: the leaders' exchange is Horovod's own async allreduce."""
+    """overlap=True under horovodrun: the leaders' exchange is Horovod's own async allreduce (every round, the
+    masks chosen at the start)."""
     proc = run(horovodrun(4, "localhost:2,127.0.0.1:2",
-                          python_cmd("engine_worker.py", "--backend", "horovod", "--overlap", "--out", str(tmp_path))))
-    check(proc, tmp_path, CHANNEL, mask_itemsize=4)
+                          python_cmd("engine_worker.py", "--backend", "horovod", "--overlap", "--freeze-round", "0",
+                                     "--out", str(tmp_path))))
+    check(proc, tmp_path, CHANNEL, mask_itemsize=4, freeze_round=0)
 
 
 @needs_horovod
@@ -186,7 +163,8 @@ def test_engine_cuda_tensors_on_2x2(tmp_path, sparsity, specs, coupled):
     through the host so that four ranks can share one GPU, which NCCL refuses."""
     args = ["--backend", "gloo", "--device", "cuda", "--out", str(tmp_path)]
     args += ["--sparsity", sparsity] if sparsity else []
-    args += {False: [], True: ["--coupled"], "streams": ["--model", "residual", "--coupled-streams"]}[coupled]
+    args += {False: [], True: ["--coupled"],
+             "streams": ["--model", "residual", "--coupled", "streams"]}[coupled]
     proc = run(mpirun(4, python_cmd("engine_worker.py", *args), ["PRUNEX_RANKS_PER_NODE=2"]))
     if coupled == "streams":
         check(proc, tmp_path, RESIDUAL, couplings=RESIDUAL_PAIR, streams=STREAM)
@@ -206,9 +184,10 @@ NCCL_ON_ONE_GPU = {"PRUNEX_RANKS_PER_NODE": "2", "NCCL_SOCKET_IFNAME": "lo", "NC
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
 def test_engine_overlapped_cuda(tmp_path, backend):
     """overlap=True on CUDA tensors, 2 emulated nodes × 2 under torchrun: NCCL's async allreduce on its own
-    stream (the fold orders the compute stream after it), or Gloo's on CUDA tensors; every round, once folded
-    in, matches the reference, and the flight's steps the delayed math."""
+    stream (the fold orders the compute stream after it), or Gloo's on CUDA tensors; every round (the masks
+    chosen at the start), once folded in, matches the reference, and the flight's steps the delayed math."""
     cmd = FAKE_HOSTS + python_cmd("engine_worker.py", "--backend", backend, "--device", "cuda", "--overlap",
-                                  "--node-sync", "--payload-dtype", "bf16", "--out", str(tmp_path))
+                                  "--freeze-round", "0", "--node-sync", "--payload-dtype", "bf16",
+                                  "--out", str(tmp_path))
     proc = run(torchrun(4, cmd), env=NCCL_ON_ONE_GPU, timeout=600)
-    check(proc, tmp_path, CHANNEL, payload_bytes=2)
+    check(proc, tmp_path, CHANNEL, payload_bytes=2, freeze_round=0)

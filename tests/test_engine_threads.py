@@ -6,7 +6,6 @@ Every rank builds its engine on its own (rank 0's parameters are broadcast), tra
 snapshots its state before and after each round; the main thread then compares every rank's u, z_i, v, z, ρ,
 masks and BN buffers with ``reference.reference_round``, checks the model is the same everywhere after
 construction and after finalize(), and checks each rank's own ledger (tests/engine_cases.py)."""
-import dataclasses
 import json
 
 import pytest
@@ -17,11 +16,10 @@ import engine_cases as cases
 from prunex_hvd.dist.comm.threads import thread_cluster
 from prunex_hvd.engine.buckets import BucketLayout
 from prunex_hvd.engine.config import ConsensusConfig, Structure
-from prunex_hvd.engine import lowrank
 from prunex_hvd.engine.hsadmm import HSADMM
 from prunex_hvd.engine.sparsity import native
-from reference import reference_masks, released_rho
-from threaded import RankFailed, run_ranks
+from reference import reference_masks
+from threaded import run_ranks
 
 LAYOUTS = [(1, 1), (1, 3), (3, 1), (2, 2), (2, 3)]
 # name: (model, sparsity argument, coupled, the specs it resolves to, the coupled pairs, the streams)
@@ -40,64 +38,38 @@ RUNS = [(layout, "channel") for layout in LAYOUTS] + \
        [(layout, case) for case in ("mixed", "coupled", "streams") for layout in ((2, 2), (2, 3))] + \
        [((2, 2), "coupled-shape")] + [(layout, case) for case in ("vit", "vit-coupled", "mha-coupled")
                                       for layout in ((2, 2), (2, 3))] + [((2, 2), "vit-even")]
-# the accelerations (ConsensusConfig's restart, relaxation, rho_growth, keep_ramp_rounds), each against the
-# reference of the modified math; a ramp of 2 rounds projects round 1 to keep 0.5 + 0.5·(1/2)³
-LEVERS = {"paper-round": dict(restart="none"),   # the default restarts: this keeps θ where its steps left it
-          "restart-node": dict(restart="node", relaxation=0.7),
-          "relaxed": dict(relaxation=1.6),
-          "all": dict(restart="global", relaxation=1.6, rho_growth=1.3, keep_ramp_rounds=2),
+# the round's other knobs, each against the reference of its math (the cases run cases.paper_config: the paper's
+# round restarting at z)
+LEVERS = {"paper-round": dict(restart="none"),   # θ left where its steps took it
           # a narrow payload: the change since z, rounded, with error feedback (reference: the same rounding)
           "bf16": dict(payload_dtype="bf16"),
-          "fp16-relaxed": dict(payload_dtype="fp16", relaxation=1.6, keep_ramp_rounds=2),
-          # the command line's recipe with every ρ held (no residual balancing)
-          "fixed-rho": dict(restart="global", node_sync=True, payload_dtype="bf16", adaptive_rho=False),
-          # ... with ρ1 balanced and ρ2 held
-          "hold-rho2": dict(restart="global", node_sync=True, payload_dtype="bf16", balance_rho2=False),
-          # ... with ρ2 released from round 3: rounds 3-4 halve it toward its start instead of balancing it
-          "release-rho2": dict(restart="global", node_sync=True, payload_dtype="bf16", rho2_release_round=3),
+          "fp16": dict(payload_dtype="fp16"),
+          # the recipe's round (node_sync, bf16) with every ρ held (no residual balancing)
+          "fixed-rho": dict(node_sync=True, payload_dtype="bf16", adaptive_rho=False),
           # ... with one channel budget across layers: the chain's first conv keeps more channels, the second fewer
-          "global-budget": dict(restart="global", node_sync=True, payload_dtype="bf16", channel_budget="global"),
+          "global-budget": dict(node_sync=True, payload_dtype="bf16", channel_budget="global"),
           # ... with the balanced ρ's capped low (--rho-max auto's kind of cap): it binds within the 4 rounds
-          "capped-rho": dict(restart="global", node_sync=True, payload_dtype="bf16", rho_max=0.07),
-          # momentum across rounds: fast ADMM over 4 rounds without a freeze or a change of ρ (its momentum
-          # builds); on the recipe (ρ changes and the freeze restart it); DiLoCo-like on z alone, relaxed and narrow
-          "fast-admm": dict(restart="global", adaptive_rho=False, acceleration="fast-admm"),
-          "fast-admm-recipe": dict(restart="global", node_sync=True, payload_dtype="bf16", acceleration="fast-admm"),
-          "nesterov-relaxed": dict(restart="global", acceleration="nesterov", outer_momentum=0.5, relaxation=1.6),
-          "nesterov-bf16": dict(restart="global", node_sync=True, payload_dtype="bf16", acceleration="nesterov",
-                                outer_momentum=0.9),
-          # the retraining phase as plain averaging: masks frozen after round 2, rounds 3-4 average
-          "average": dict(retrain="average", weight_decay_z=0.0, freeze_round=2),
-          "average-recipe": dict(retrain="average", weight_decay_z=0.0, freeze_round=2, node_sync=True,
-                                 payload_dtype="bf16", relaxation=1.3, acceleration="nesterov"),
+          "capped-rho": dict(node_sync=True, payload_dtype="bf16", rho_max=0.07),
           # the masks chosen at the start from θ0 (freeze_round=0): every round on frozen masks, from the first;
           # on the recipe (one budget across layers), and per layer with θ left where its steps take it
-          "start-frozen": dict(restart="global", node_sync=True, payload_dtype="bf16", channel_budget="global",
-                               freeze_round=0),
-          "start-frozen-paper": dict(restart="none", freeze_round=0, acceleration="nesterov")}
-LEVER_RUNS = [((2, 2), "channel", "paper-round"), ((2, 3), "mixed", "paper-round"), ((2, 3), "channel", "restart-node"),
-              ((2, 2), "mixed", "relaxed"), ((2, 3), "channel", "all"), ((1, 3), "channel", "all"),
-              ((2, 2), "coupled", "all"), ((2, 2), "streams", "all"), ((2, 2), "channel", "bf16"),
-              ((2, 3), "mixed", "bf16"), ((2, 2), "coupled", "fp16-relaxed"), ((2, 2), "channel", "fixed-rho"),
-              ((2, 3), "mixed", "fixed-rho"), ((2, 2), "channel", "hold-rho2"), ((2, 3), "coupled", "hold-rho2"),
-              ((2, 2), "channel", "release-rho2"), ((2, 3), "mixed", "release-rho2"),
+          "start-frozen": dict(node_sync=True, payload_dtype="bf16", channel_budget="global", freeze_round=0),
+          "start-frozen-paper": dict(restart="none", freeze_round=0)}
+LEVER_RUNS = [((2, 2), "channel", "paper-round"), ((2, 3), "mixed", "paper-round"),
+              ((2, 2), "channel", "bf16"), ((2, 3), "mixed", "bf16"), ((2, 2), "coupled", "fp16"),
+              ((2, 2), "channel", "fixed-rho"), ((2, 3), "mixed", "fixed-rho"),
               ((2, 2), "channel", "global-budget"), ((2, 3), "channel", "global-budget"),
               ((2, 2), "channel", "capped-rho"), ((2, 3), "mixed", "capped-rho"),
-              ((2, 2), "channel", "fast-admm"), ((3, 1), "mixed", "fast-admm"), ((1, 3), "channel", "fast-admm"),
-              ((2, 3), "coupled", "fast-admm-recipe"), ((2, 2), "mixed", "nesterov-relaxed"),
-              ((2, 3), "channel", "nesterov-bf16"), ((2, 2), "channel", "average"), ((2, 3), "mixed", "average"),
-              ((1, 3), "channel", "average"), ((2, 3), "coupled", "average-recipe"),
               ((2, 2), "channel", "start-frozen"), ((2, 3), "channel", "start-frozen"),
               ((2, 3), "streams", "start-frozen-paper"), ((2, 2), "mixed", "start-frozen-paper")]
 
 
 def train_on_threads(num_nodes, local_size, kind, sparsity, coupled, nodes_per_rack=None, **knobs):
     """Every rank's snapshots, final model and result after ``cases.ROUNDS`` rounds on the thread cluster
-    (``nodes_per_rack``: in racks)."""
+    (``nodes_per_rack``: in racks), under :func:`engine_cases.paper_config` with ``knobs``."""
     size = num_nodes * local_size
     models = [cases.make_model(kind, r) for r in range(size)]   # here: torch's global RNG is not thread-safe
     theta0 = cases.model_state(models[0])   # what the engines broadcast
-    config = ConsensusConfig(sparsity=sparsity, coupled=coupled, **dict(cases.SETTINGS, **knobs))
+    config = cases.paper_config(sparsity=sparsity, coupled=coupled, **knobs)
     structure = Structure.resolve(models[0], config)
     native.module()   # load the shrink kernel before the ranks race to its first use
     cluster = thread_cluster(num_nodes, local_size, keep_records=True, nodes_per_rack=nodes_per_rack)
@@ -141,34 +113,15 @@ def test_rounds_match_the_reference(layout, case, levers):
     ref_rounds = check_against_the_reference(cluster, runs, want_specs, want_pairs, want_streams)
     if kind == "vit-even":
         assert_nodes_chose_apart(ref_rounds, runs[0]["engine"])
-    if levers == "fast-admm" and num_nodes > 1:
-        # round 1 starts the sequence (γ = 0); in round 2 momentum builds on the tensors whose combined residual
-        # fell and restarts the others; the freeze after round 3 restarts all
-        assert not any(ref_rounds[0]["gamma"].values()), ref_rounds[0]["gamma"]
-        round2 = list(ref_rounds[1]["gamma"].values())
-        assert 0.0 in round2 and max(round2) > 0.28, round2
-        assert not any(ref_rounds[2]["gamma"].values()), ref_rounds[2]["gamma"]
     if levers == "capped-rho":   # balancing raised ρ1 and ρ2 onto the cap, and no further
         rhos = [v for rnd in runs[0]["after"] for key in ("rho1", "rho2") for v in rnd[key].values()]
         cap = LEVERS[levers]["rho_max"]
         assert max(rhos) == cap and sum(v == cap for v in rhos) >= 4, sorted(set(rhos))
-    if levers == "release-rho2":   # balanced up in rounds 1-2, then halved: down, never below the start
-        rho2 = [rnd["rho2"] for rnd in runs[0]["after"]]
-        start = LEVERS[levers].get("rho2", cases.SETTINGS["rho2"])
-        assert any(rho2[1][n] > start for n in rho2[1]), rho2[1]
-        assert any(rho2[1][n] > rho2[0][n] for n in rho2[1]), (rho2[0], rho2[1])   # round 2 balanced, not released
-        for before, after in zip(rho2[1:], rho2[2:]):
-            assert all(after[n] == released_rho(before[n], start) for n in after)
-        assert any(rho2[3][n] < rho2[1][n] for n in rho2[1])
     if levers == "global-budget":   # not the per-layer counts: conv 0 (larger weights) keeps 3 of 3
         support = runs[0]["result"]["final_support"]
         assert support["0.weight"][1] == 3 and support["3.weight"][1] < 4, support
     if levers and levers.startswith("start-frozen"):
         check_frozen_at_start(runs)
-    if levers and levers.startswith("average"):   # the rounds after the freeze averaged: no penalty, no dual left
-        last = runs[0]["after"][-1]
-        assert last["frozen"] and not any(last["rho1"].values()) and not any(last["rho2"].values())
-        assert not any(bool(t.any()) for key in ("u", "v") for t in last[key].values())
     for rank in cluster:   # every record as the ring model puts it: only the leaders' ring crosses nodes
         for rec in rank.ledger.records:
             crossing = rec.tier == "inter" and num_nodes > 1
@@ -188,7 +141,7 @@ def check_against_the_reference(cluster, runs, want_specs, want_pairs, want_stre
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
     cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
                         payload_bytes=eng.payload_dtype.itemsize, freeze_round=eng.config.freeze_round,
-                        budget_floor=cases.budget_floor(eng.config))
+                        global_budget=cases.global_budget(eng.config))
     return ref_rounds
 
 
@@ -200,7 +153,7 @@ def check_frozen_at_start(runs):
     specs = {e.name: e.spec for e in eng.structured}
     theta0 = {e.name: runs[0]["theta0"][e.name] for e in eng.entries}
     masks = reference_masks({n: theta0[n] for n in specs}, specs, eng.couplings, eng.streams, eng.heads,
-                            cases.budget_floor(eng.config))
+                            cases.global_budget(eng.config))
     assert any(not bool(rows.all()) or not bool(cols.all()) for rows, cols in masks.values())
     for run in runs:
         first = run["before"][0]   # after round 1's local steps: the masks and the consensus as they started
@@ -223,12 +176,11 @@ def assert_nodes_chose_apart(ref_rounds, eng):
 
 
 def train_overlapped_on_threads(num_nodes, local_size, kind, sparsity, coupled, **knobs):
-    """``overlap=True`` on the thread cluster: every rank's :func:`engine_cases.overlapped_rounds` record."""
+    """``overlap`` (default True) on the thread cluster: every rank's :func:`engine_cases.overlapped_rounds`
+    record."""
     size = num_nodes * local_size
     models = [cases.make_model(kind, r) for r in range(size)]
-    config = ConsensusConfig(sparsity=sparsity, coupled=coupled, overlap=True,
-                             **dict(cases.SETTINGS, **dict(dict(overlap_after_freeze=False), **knobs)))   # default:
-                                                                                            # every round
+    config = cases.paper_config(sparsity=sparsity, coupled=coupled, **{"overlap": True, **knobs})
     structure = Structure.resolve(models[0], config)
     native.module()
     cluster = thread_cluster(num_nodes, local_size, keep_records=True)
@@ -257,33 +209,32 @@ def train_overlapped_on_threads(num_nodes, local_size, kind, sparsity, coupled, 
     return cluster, run_ranks(num_nodes, local_size, rank_run, cluster=cluster), structure.specs
 
 
-OVERLAP_RUNS = {"2x2-channel": ((2, 2), "channel", {}),
-                "2x3-mixed-bf16": ((2, 3), "mixed", dict(payload_dtype="bf16")),
-                "2x2-coupled-node-relaxed": ((2, 2), "coupled", dict(restart="node", relaxation=1.6)),
-                "3x1-channel-paper-round": ((3, 1), "channel", dict(restart="none")),
-                "2x2-recipe": ((2, 2), "channel", dict(node_sync=True, keep_ramp_rounds=2, payload_dtype="bf16")),
-                # folded in after the first of the next round's steps (freezing mid-round included)
-                "2x2-fold-after-1-step": ((2, 2), "channel", dict(overlap_steps=1)),
-                "2x3-recipe-fold-after-2-steps": ((2, 3), "mixed", dict(node_sync=True, keep_ramp_rounds=2,
-                                                                         payload_dtype="bf16", overlap_steps=2)),
-                # the default: rounds 1-3 blocking, round 4 (masks frozen at round 3) overlapped
-                "2x2-recipe-after-freeze": ((2, 2), "channel", dict(node_sync=True, payload_dtype="bf16",
-                                                                     overlap_after_freeze=True, overlap_steps=1)),
-                # ... retraining by averaging: frozen after round 2, rounds 3-4 overlapped averages
-                "2x3-recipe-average": ((2, 3), "mixed", dict(node_sync=True, payload_dtype="bf16", retrain="average",
-                                                              keep_ramp_rounds=2, weight_decay_z=0.0, freeze_round=2,
-                                                              overlap_after_freeze=True, overlap_steps=1)),
-                # ... masks chosen at the start: every round overlapped from the first
+# the rounds overlap once the masks are frozen: from round 2 (frozen after round 1), from the first (frozen at
+# the start), or round 4 alone (frozen after round 3); with overlap=True (a quarter of local_steps=100) each is
+# folded in at the next round, with overlap=N after N of its steps
+OVERLAP_RUNS = {"2x2-channel": ((2, 2), "channel", dict(freeze_round=1)),
+                "2x3-mixed-bf16": ((2, 3), "mixed", dict(payload_dtype="bf16", freeze_round=1)),
+                "2x2-coupled": ((2, 2), "coupled", dict(freeze_round=1)),
+                "3x1-channel-paper-round": ((3, 1), "channel", dict(restart="none", freeze_round=1)),
+                "2x2-recipe": ((2, 2), "channel", dict(node_sync=True, payload_dtype="bf16", freeze_round=1)),
+                # folded in after the first of the next round's steps
+                "2x2-fold-after-1-step": ((2, 2), "channel", dict(overlap=1, freeze_round=1)),
+                "2x3-recipe-fold-after-2-steps": ((2, 3), "mixed", dict(node_sync=True, payload_dtype="bf16",
+                                                                         overlap=2, freeze_round=1)),
+                # rounds 1-3 blocking, round 4 (masks frozen at round 3) overlapped
+                "2x2-recipe-after-freeze": ((2, 2), "channel", dict(node_sync=True, payload_dtype="bf16", overlap=1)),
+                # masks chosen at the start: every round overlapped from the first
                 "2x2-recipe-frozen-at-start": ((2, 2), "channel", dict(node_sync=True, payload_dtype="bf16",
                                                                         channel_budget="global", freeze_round=0,
-                                                                        overlap_after_freeze=True, overlap_steps=1))}
+                                                                        overlap=1))}
 
 
 @pytest.mark.parametrize("run", list(OVERLAP_RUNS))
 def test_overlapped_rounds_match_the_delayed_reference(run):
-    """overlap=True: each round, once folded in, is the blocking round's math (reference_round); the local steps
-    in between pull toward its z_i with its u at the previous ρ1 and start from z_i; θ moves by z − z_i at the
-    fold (engine_cases.check_overlapped_round). Bytes as blocking: the exchange is the same, only later."""
+    """overlap: each round started on frozen masks, once folded in, is the blocking round's math
+    (reference_round); the local steps in between pull toward its z_i with its u at the previous ρ1 and start
+    from z_i; θ moves by z − z_i at the fold (engine_cases.check_overlapped_round). The rounds before the freeze
+    are the blocking ones. Bytes as blocking: the exchange is the same, only later."""
     (num_nodes, local_size), case, knobs = OVERLAP_RUNS[run]
     kind, sparsity, coupled, want_specs, want_pairs, want_streams = CASES[case]
     cluster, runs, _ = train_overlapped_on_threads(num_nodes, local_size, kind, sparsity, coupled, **knobs)
@@ -294,9 +245,8 @@ def test_overlapped_rounds_match_the_delayed_reference(run):
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
     cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
                         payload_bytes=eng.payload_dtype.itemsize, freeze_round=eng.config.freeze_round,
-                        budget_floor=cases.budget_floor(eng.config))
-    overlapped = [True] * cases.ROUNDS if not knobs.get("overlap_after_freeze") else \
-        [r["frozen_before"] for r in ref_rounds]   # the rounds after freeze_round
+                        global_budget=cases.global_budget(eng.config))
+    overlapped = [r["frozen_before"] for r in ref_rounds]   # the rounds after freeze_round
     assert [r["in_flight"] for r in runs[0]["reports"]] == overlapped
     assert overlapped.count(True) >= 1
 
@@ -381,16 +331,16 @@ def _support(p, masks):
     return apply_masks(torch.ones_like(p), *masks)
 
 
-@pytest.mark.parametrize("layout,ramp", [((2, 2), 0), ((2, 3), 2), ((1, 3), 0)],
-                         ids=["2x2", "2x3-ramp", "1x3"])
-def test_node_sync_steps_match_the_reference(layout, ramp):
+@pytest.mark.parametrize("layout,knobs", [((2, 2), {}), ((2, 3), dict(payload_dtype="bf16")), ((1, 3), {})],
+                         ids=["2x2", "2x3-bf16", "1x3"])
+def test_node_sync_steps_match_the_reference(layout, knobs):
     """node_sync: the ranks of a node take the node's mean gradient, so they hold one θ, which follows the
     single-process reference of data-parallel steps within the node; the rounds still match reference_round,
-    and the node's gradient allreduces are counted on the intra tier only. 2x3-ramp adds the keep ramp: the
-    command line's recipe (restart, node_sync, keep ramp)."""
+    and the node's gradient allreduces are counted on the intra tier only. 2x3-bf16 adds the recipe's narrow
+    payload."""
     num_nodes, local_size = layout
     cluster, runs, _ = train_on_threads(num_nodes, local_size, "chain", "channel:0.5", False, node_sync=True,
-                                        keep_ramp_rounds=ramp)
+                                        **knobs)
     node_ranks, eng = cluster[0].topo.node_ranks, runs[0]["engine"]
     want = reference_node_steps(runs, node_ranks, "chain", cases.SETTINGS["rho1"])
     for rnd in range(cases.ROUNDS):
@@ -433,7 +383,7 @@ def test_node_sync_gives_a_missing_gradient_the_nodes_mean():
     """A parameter one rank did not use (grad None) takes the node's mean, so both ranks step it alike; one
     no rank used stays without a gradient (the optimizer skips it, as without node_sync)."""
     models = [nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2), nn.Linear(2, 2)) for _ in range(2)]
-    config = ConsensusConfig(sparsity="dense", node_sync=True)
+    config = ConsensusConfig.paper(sparsity="dense", node_sync=True)
     structure = Structure.resolve(models[0], config)
 
     def rank_run(rank):
@@ -451,213 +401,24 @@ def test_node_sync_gives_a_missing_gradient_the_nodes_mean():
     assert all(g[i] is None for g in grads for i in (1, 3, 4, 5))   # biases, and the layer nobody used
 
 
-# post-local SGD's synchronous phase (sync_rounds=2 of the 4 rounds): the recipe with its masks at the start, the
-# paper's round with nesterov freezing at the phase's last round (masks chosen from the synchronous θ), one node,
-# one rank per node with a narrow payload, θ trained dense on frozen masks (only z masked), a model without float
-# buffers (the ViT's LayerNorms)
-SYNC_RUNS = {"2x2-recipe": ((2, 2), "channel", dict(restart="global", node_sync=True, payload_dtype="bf16",
-                                                     channel_budget="global", freeze_round=0)),
-             "2x3-paper-freeze2": ((2, 3), "mixed", dict(restart="none", freeze_round=2, acceleration="nesterov")),
-             "1x3": ((1, 3), "channel", {}),
-             "3x1-bf16": ((3, 1), "channel", dict(payload_dtype="bf16")),
-             "2x2-dense-theta": ((2, 2), "channel", dict(freeze_round=0, masked_retrain=False)),
-             "2x2-vit": ((2, 2), "vit", dict(freeze_round=0)),
-             # racks (nodes, ranks per node, nodes per rack): the steps' means go up the rack tier and the spine
-             "4x2-racks-of-2": ((4, 2, 2), "channel", dict(payload_dtype="bf16", freeze_round=0))}
-SYNC = 2
-
-
-def powersgd_mean(node_grads, masks, rank, memory):
-    """PowerSGD's mean of the nodes' gradients at ``rank``, written out for one process (Vogels et al. 2019, with
-    error feedback and Q carried from step to step): each gradient's GEMM view, its kept block where ``masks``
-    has the layer, is sent at rank ``rank`` if (rows + cols)·rank at most halves it, else whole. ``memory``
-    holds each node's error and the shared Q per parameter, across calls."""
-    out = {}
-    for k, name in enumerate(node_grads[0]):
-        full = node_grads[0][name]
-        keep = masks.get(name)
-        def block(g):
-            view = g.reshape(g.shape[0] if g.dim() else 1, -1)
-            return view[keep[0]][:, keep[1]] if keep is not None else view
-        blocks = [block(g[name]) for g in node_grads]
-        rows, cols = blocks[0].shape
-        if min(rows, cols) > rank and 2 * (rows + cols) * rank <= rows * cols:
-            if name not in memory:
-                memory[name] = ([torch.zeros(rows, cols) for _ in node_grads],
-                                torch.randn(cols, rank, generator=torch.Generator().manual_seed(k)))
-            errors, q = memory[name]
-            ms = [b + e for b, e in zip(blocks, errors)]
-            p = torch.linalg.qr(sum(m @ q for m in ms) / len(ms)).Q
-            q = sum(m.t() @ p for m in ms) / len(ms)
-            mean = p @ q.t()
-            memory[name] = ([m - mean for m in ms], q)
-        else:
-            mean = sum(blocks) / len(blocks)
-        if keep is not None:
-            grad = torch.zeros(full.shape[0], full.numel() // full.shape[0])
-            grad[keep[0].nonzero()[:, 0].unsqueeze(1), keep[1].nonzero()[:, 0]] = mean
-            out[name] = grad.view_as(full)
-        else:
-            out[name] = mean.reshape(full.shape)
-    return out
-
-
-def reference_sync_steps(runs, kind, masks, masked_steps, restart, nodes=None, powersgd_rank=0):
-    """The synchronous phase in one process: one model and one SGD, each step on the mean of every rank's data
-    gradient (each on its own batch), no proximal term; with ``masks`` (the structure frozen at the start) θ and the
-    gradient on them after every step if ``masked_steps`` (``masked_retrain``), else θ put on them at each round
-    when it restarts. With ``powersgd_rank`` the mean is :func:`powersgd_mean` of the ``nodes``' means. Returns θ
-    before each of its rounds."""
-    model = cases.make_model(kind, 0)
-    model.load_state_dict(runs[0]["start"])
-    opt, params = cases.sgd(model), dict(model.named_parameters())
-    batches = [cases.rank_batch(r) for r in range(len(runs))]
-    out, memory = [], {}
-    for _ in range(SYNC):
-        for _ in range(cases.LOCAL_STEPS):
-            grads = {n: torch.zeros_like(p) for n, p in params.items()}
-            per_rank = []
-            for x, y in batches:
-                g = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(params.values()))
-                per_rank.append(dict(zip(params, g)))
-                for n, gn in zip(params, g):
-                    grads[n] += gn / len(batches)
-            if powersgd_rank:
-                node_grads = [{n: sum(per_rank[r][n] for r in ranks) / len(ranks) for n in params} for ranks in nodes]
-                grads = powersgd_mean(node_grads, masks if masked_steps else {}, powersgd_rank, memory)
-            for n, p in params.items():
-                p.grad = grads[n] * _support(p, masks[n]) if masked_steps and n in masks else grads[n]
-            opt.step()
-            with torch.no_grad():
-                for n, m in masks.items() if masked_steps else ():
-                    params[n].mul_(_support(params[n], m))
-        out.append({n: p.detach().clone() for n, p in params.items()})
-        with torch.no_grad():   # the round: θ at z, on the structure
-            for n, m in masks.items() if masked_steps or restart != "none" else ():
-                params[n].mul_(_support(params[n], m))
-    return out
-
-
-@pytest.mark.parametrize("run", list(SYNC_RUNS))
-def test_sync_rounds_are_synchronous_sgd_then_admm_from_there(run):
-    """sync_rounds: in the first rounds every rank steps on the world's mean gradient with no proximal term, so
-    every rank holds the single-process reference's θ; each such round takes θ as the consensus (z = z_i = θ, on
-    the structure if it freezes there, the duals 0, ẑ = z) and the float buffers' mean over the job; the rounds
-    after it match the reference ADMM round from that state. The steps' gradients cross nodes on the leaders'
-    tier only, compact once the masks are frozen."""
-    layout, case, knobs = SYNC_RUNS[run]
-    kind, sparsity, coupled, *_ = CASES[case]
-    per_rack = layout[2] if len(layout) == 3 else None
-    cluster, runs, _ = train_on_threads(*layout[:2], kind, sparsity, coupled, nodes_per_rack=per_rack,
-                                        sync_rounds=SYNC, **knobs)
-    node_ranks, eng = cluster[0].topo.node_ranks, runs[0]["engine"]
-    assert eng.rack_tier == bool(per_rack)
-    first = runs[0]["before"][0]
-    want = reference_sync_steps(runs, kind, first["masks"] if first["frozen"] else {}, eng.config.masked_retrain,
-                                eng.config.restart)
-    for rnd in range(SYNC):
-        befores, afters = [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs]
-        cases.check_sync_round(rnd, befores, afters)
-        assert all(bool(a["w"]) == bool(per_rack) for a in afters), rnd   # the rack state, where there are racks
-        for r, before in enumerate(befores):
-            for name, theta in before["theta"].items():
-                cases.compare(f"round {rnd} rank {r} theta[{name}]", theta, want[rnd][name])
-        assert afters[0]["frozen"] == (eng.config.freeze_round <= rnd + 1), rnd
-    for rnd in range(SYNC, cases.ROUNDS):
-        cases.check_round(rnd, [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs],
-                          node_ranks, eng)
-    cases.assert_same_everywhere([run["final"] for run in runs], "after finalize")
-    compact = first["frozen"] and eng.config.masked_retrain   # (θ on the structure: only its blocks travel)
-    grads = sum(e.compact_numel() if compact else e.param.numel() for e in eng.entries)
-    buffer_numel = sum(b.numel() for _, b in eng.buffers)
-    for rank in cluster:
-        phase = [rec for rec in rank.ledger.records if rec.tag == "sync-phase"]
-        crossing = [rec for rec in phase if rec.tier in ("inter", "rack", "spine")]
-        if layout[0] == 1 or rank.topo.local_rank:   # one node, or not a leader: nothing crosses
-            assert not crossing and not any(rec.cross_node_bytes for rec in phase), rank.topo.rank
-            continue
-        # every step's gradients, then every synchronous round's buffers, averaged across nodes by the leaders
-        # (with racks: summed over the rack and handed back down it, the racks' sums averaged by their leaders)
-        each = SYNC * (cases.LOCAL_STEPS * grads + buffer_numel) * cases.FLOAT_BYTES
-        if per_rack:
-            by_tier_op = {}
-            for rec in crossing:
-                by_tier_op[rec.tier, rec.op] = by_tier_op.get((rec.tier, rec.op), 0) + rec.payload_bytes
-            want = {("rack", "allreduce"): each, ("rack", "broadcast"): each}
-            if rank.topo.is_rack_leader:
-                want["spine", "allreduce"] = each
-            assert by_tier_op == want, (rank.topo.rank, by_tier_op)
-            continue
-        sent = sum(rec.payload_bytes for rec in crossing)
-        assert sent == each, (rank.topo.rank, sent)
-
-
-# sync_powersgd_rank: rank 2 sends the chain's convs as P and Q and its 5×12 head whole; rank 1 the head too
-POWERSGD_RUNS = {"2x2-recipe-r2": ((2, 2), 2, dict(restart="global", node_sync=True, payload_dtype="bf16",
-                                                  channel_budget="global", freeze_round=0)),
-                 "3x1-r1-dense-grads": ((3, 1), 1, {}),   # masks not frozen in the phase: whole gradients' views
-                 "4x2-racks-of-2-r1": ((4, 2, 2), 1, dict(freeze_round=0))}
-
-
-@pytest.mark.parametrize("run", list(POWERSGD_RUNS))
-def test_sync_powersgd_rank_is_powersgd_of_the_nodes_means(run):
-    """sync_powersgd_rank: in the synchronous phase every rank steps on PowerSGD's rank-r mean of the nodes' mean
-    gradients with error feedback (the single-process reference, :func:`powersgd_mean`), so every rank still holds
-    one θ, and the phase's rounds and the ADMM rounds after it are what they are without it; across nodes the
-    leaders send each compressed matrix's P and Q, (rows + cols)·r numbers, instead of its rows·cols."""
-    layout, rank, knobs = POWERSGD_RUNS[run]
-    per_rack = layout[2] if len(layout) == 3 else None
-    cluster, runs, _ = train_on_threads(*layout[:2], "chain", cases.CHANNEL, False, nodes_per_rack=per_rack,
-                                        sync_rounds=SYNC, sync_powersgd_rank=rank, **knobs)
-    node_ranks, eng = cluster[0].topo.node_ranks, runs[0]["engine"]
-    first = runs[0]["before"][0]
-    compact = first["frozen"] and eng.config.masked_retrain
-    want = reference_sync_steps(runs, "chain", first["masks"] if first["frozen"] else {}, eng.config.masked_retrain,
-                                eng.config.restart, nodes=node_ranks, powersgd_rank=rank)
-    plain = reference_sync_steps(runs, "chain", first["masks"] if first["frozen"] else {},
-                                 eng.config.masked_retrain, eng.config.restart)
-    for rnd in range(SYNC):
-        befores, afters = [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs]
-        cases.check_sync_round(rnd, befores, afters)
-        for r, before in enumerate(befores):
-            for name, theta in before["theta"].items():
-                cases.compare(f"round {rnd} rank {r} theta[{name}]", theta, want[rnd][name])
-    assert not torch.allclose(want[SYNC - 1]["3.weight"], plain[SYNC - 1]["3.weight"])   # it is not the plain mean
-    for rnd in range(SYNC, cases.ROUNDS):
-        cases.check_round(rnd, [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs],
-                          node_ranks, eng)
-    assert eng._lowrank is None   # the phase's error memory went with it
-    sent_per_step = 0
-    for e in eng.entries:
-        rows, cols = (len(e.row_idx), len(e.col_idx)) if compact and e.structured else \
-            lowrank.matrix_shape(e.param.shape)
-        sent_per_step += (rows + cols) * rank if lowrank.compressible(rows, cols, rank) else rows * cols
-    assert sent_per_step < sum(e.compact_numel() if compact else e.param.numel() for e in eng.entries)
-    each = SYNC * (cases.LOCAL_STEPS * sent_per_step + sum(b.numel() for _, b in eng.buffers)) * cases.FLOAT_BYTES
-    for rank_ in cluster:
-        if per_rack or rank_.topo.local_rank:
-            continue
-        crossing = [rec for rec in rank_.ledger.records if rec.tag == "sync-phase" and rec.tier == "inter"]
-        assert sum(rec.payload_bytes for rec in crossing) == each, rank_.topo.rank
-
-
 def chain_engines(**knobs):
-    """For a 2×2 thread cluster: a rank's model and a function making its engine under ``knobs``."""
+    """For a 2×2 thread cluster: a rank's model and a function making its engine under ``knobs``
+    (:func:`engine_cases.paper_config`)."""
     models = [cases.make_model("chain", r) for r in range(4)]
-    structure = Structure.resolve(models[0], ConsensusConfig(sparsity="channel:0.5", **cases.SETTINGS))
+    structure = Structure.resolve(models[0], cases.paper_config(sparsity="channel:0.5"))
     native.module()
 
     def engine(rank, **more):
-        config = ConsensusConfig(sparsity="channel:0.5", **dict(cases.SETTINGS, **dict(knobs, **more)))
+        config = cases.paper_config(sparsity="channel:0.5", **dict(knobs, **more))
         return HSADMM(models[rank.topo.rank], rank.topo, rank.groups, config, structure, ledger=rank.ledger)
     return models, engine
 
 
 def test_an_overlapped_round_refused_at_its_fold_leaves_the_previous_state():
-    """overlap: NaN in one rank's θ when round 1 starts is only seen when round 1 is folded in (at round 2): every
-    rank refuses it there, with the same error, and keeps the committed state of round 0 (masks included);
-    nothing stays in flight."""
-    models, engine = chain_engines(overlap=True, overlap_after_freeze=False)
+    """overlap (masks frozen at the start, so round 1 overlaps): NaN in one rank's θ when round 1 starts is only
+    seen when round 1 is folded in (at round 2): every rank refuses it there, with the same error, and keeps the
+    committed state of round 0 (masks included); nothing stays in flight."""
+    models, engine = chain_engines(overlap=True, freeze_round=0)
 
     def rank_run(rank):
         model = models[rank.topo.rank]
@@ -708,13 +469,13 @@ def resume_on_threads(config, num_nodes, local_size, saved=None, cluster=None, t
 @pytest.mark.parametrize("at_round,at_step,fold", [(1, 0, None), (3, 0, None), (1, 1, 2)],
                          ids=["round-1", "round-3", "round-1-one-step-into-the-flight"])
 def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round, at_step, fold):
-    """overlap: state_dict() with a round in flight completes its exchange (not its fold) and records it, with
-    the flight's steps so far (folded after ``fold`` of them); an engine loaded from it (a fresh cluster, fresh
-    models given θ and the optimizer's state) ends bit for bit where the run that took it ends, and where a
-    run that took none ends (taking it changes nothing)."""
-    knobs = dict(payload_dtype="bf16", node_sync=True, keep_ramp_rounds=2, overlap_steps=fold)
-    config = ConsensusConfig(sparsity="channel:0.5", overlap=True, overlap_after_freeze=False,
-                             **dict(cases.SETTINGS, **knobs))
+    """overlap (the recipe's round, masks frozen at the start so every round overlaps): state_dict() with a round
+    in flight completes its exchange (not its fold) and records it, with the flight's steps so far (folded after
+    ``fold`` of them, else at the next round); an engine loaded from it (a fresh cluster, fresh models given θ and
+    the optimizer's state) ends bit for bit where the run that took it ends, and where a run that took none ends
+    (taking it changes nothing)."""
+    config = cases.paper_config(sparsity="channel:0.5", payload_dtype="bf16", node_sync=True, freeze_round=0,
+                                overlap=fold or True)
     native.module()
     take_at = at_round * cases.LOCAL_STEPS + at_step
     plain = resume_on_threads(config, 2, 2, take_at=None)
@@ -728,32 +489,6 @@ def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round, at_step,
         assert plain[r][1] == took[r][1], r
 
 
-@pytest.mark.parametrize("acceleration", ["fast-admm", "nesterov"])
-def test_accelerated_state_dict_resumes_bit_for_bit_and_fits_only_its_acceleration(acceleration):
-    """The momentum is state (ẑ, the last z and v, a and the last combined residual): state_dict() after round 2 of
-    4 (2×2, the recipe's bf16 payload and node_sync, ρ held so fast ADMM's momentum builds), loaded into fresh
-    engines, ends bit for bit where the uninterrupted run ends. An engine with another acceleration (or none)
-    refuses that state, and an accelerated one refuses a state saved without it."""
-    native.module()
-
-    def job(acc, saved=None):
-        config = ConsensusConfig(sparsity="channel:0.5", node_sync=True, payload_dtype="bf16", acceleration=acc,
-                                 **dict(cases.SETTINGS, adaptive_rho=False))
-        return resume_on_threads(config, 2, 2, saved)
-    whole = job(acceleration)
-    resumed = job(acceleration, saved=[r[2] for r in whole])
-    for r in range(4):
-        assert all(torch.equal(whole[r][0][k], resumed[r][0][k]) for k in whole[r][0]), f"rank {r}"
-    saved = whole[0][2]["engine"]["entries"]["3.weight"]
-    assert not torch.equal(saved["z_hat"], saved["z"])   # the momentum moved ẑ off z by round 2
-    other = "nesterov" if acceleration == "fast-admm" else "fast-admm"
-    for resumed_with, saved_with, state in ((other, acceleration, whole), ("none", acceleration, whole),
-                                            (acceleration, "none", job("none"))):
-        with pytest.raises(RankFailed, match=f"saved with acceleration='{saved_with}', resumed with "
-                                             f"'{resumed_with}'"):
-            job(resumed_with, saved=[r[2] for r in state])
-
-
 @pytest.mark.parametrize("model_first", [False, True], ids=["engine-first", "model-first"])
 def test_masks_frozen_at_the_start_resume_bit_for_bit(model_first):
     """freeze_round=0 (the recipe's other knobs, 2×2): state_dict() after round 2 of 4, loaded into fresh engines,
@@ -761,67 +496,13 @@ def test_masks_frozen_at_the_start_resume_bit_for_bit(model_first):
     masks chosen again) or on the model already loaded (chosen from trained weights, then replaced by the
     saved ones)."""
     native.module()
-    config = ConsensusConfig(sparsity="channel:0.5", node_sync=True, payload_dtype="bf16", channel_budget="global",
-                             **dict(cases.SETTINGS, freeze_round=0))
+    config = cases.paper_config(sparsity="channel:0.5", node_sync=True, payload_dtype="bf16", channel_budget="global",
+                                freeze_round=0)
     whole = resume_on_threads(config, 2, 2)
     resumed = resume_on_threads(config, 2, 2, saved=[r[2] for r in whole], model_first=model_first)
     for r in range(4):
         assert all(torch.equal(whole[r][0][k], resumed[r][0][k]) for k in whole[r][0]), f"rank {r}"
     assert whole[0][2]["engine"]["frozen"] and whole[0][2]["engine"]["round"] == 2
-
-
-@pytest.mark.parametrize("powersgd_rank", [0, 1], ids=["whole", "powersgd-rank-1"])
-@pytest.mark.parametrize("take_at", [cases.LOCAL_STEPS, cases.LOCAL_STEPS + 1], ids=["round-1", "mid-round-2"])
-def test_sync_rounds_resume_bit_for_bit(take_at, powersgd_rank):
-    """sync_rounds=3 of 4, then an overlapped ADMM round (the recipe's other knobs, 2×2): state_dict() taken in
-    the synchronous phase, after its first round or one step into its second, loaded into fresh engines, ends bit
-    for bit where the uninterrupted run ends; with ``sync_powersgd_rank`` its Q and error memory are saved and
-    loaded with it (a resume at another rank is refused on every rank)."""
-    native.module()
-    config = ConsensusConfig(sparsity="channel:0.5", node_sync=True, payload_dtype="bf16", channel_budget="global",
-                             sync_rounds=3, overlap=True, overlap_after_freeze=False, sync_powersgd_rank=powersgd_rank,
-                             **dict(cases.SETTINGS, freeze_round=0))
-    plain = resume_on_threads(config, 2, 2, take_at=None)
-    whole = resume_on_threads(config, 2, 2, take_at=take_at)
-    resumed = resume_on_threads(config, 2, 2, saved=[r[2] for r in whole], take_at=take_at)
-    for r in range(4):
-        assert all(torch.equal(plain[r][0][k], whole[r][0][k]) for k in whole[r][0]), f"rank {r}: taking it"
-        assert all(torch.equal(whole[r][0][k], resumed[r][0][k]) for k in whole[r][0]), f"rank {r}"
-        assert plain[r][1] == whole[r][1], r
-    assert whole[0][2]["engine"]["round"] == 1
-    saved = whole[0][2]["engine"]["sync_lowrank"]
-    assert (saved is not None) == bool(powersgd_rank)
-    if powersgd_rank:
-        assert saved["3.weight"]["q"].shape[1] == 1 and saved["3.weight"]["error"].abs().sum() > 0
-        other = dataclasses.replace(config, sync_powersgd_rank=2)
-        with pytest.raises(RankFailed, match="saved in the synchronous phase with sync_powersgd_rank=1, resumed "
-                                             "with 2"):
-            resume_on_threads(other, 2, 2, saved=[r[2] for r in whole], take_at=take_at)
-
-
-@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
-def test_averaged_retraining_resumes_bit_for_bit_and_only_with_its_retrain(overlap):
-    """retrain="average": state_dict() after round 3 of 4 (masks frozen after round 2, the duals and ρ at 0),
-    loaded into fresh engines, ends bit for bit where the uninterrupted run ends; an engine with retrain="admm"
-    refuses that state on every rank, while a state from before the freeze loads into either."""
-    native.module()
-
-    def job(retrain, saved=None, take_at=3 * cases.LOCAL_STEPS):
-        config = ConsensusConfig(sparsity="channel:0.5", node_sync=True, payload_dtype="bf16", retrain=retrain,
-                                 overlap=overlap, **dict(cases.SETTINGS, weight_decay_z=0.0, freeze_round=2))
-        return resume_on_threads(config, 2, 2, saved, take_at=take_at)
-    whole = job("average")
-    resumed = job("average", saved=[r[2] for r in whole])
-    for r in range(4):
-        assert all(torch.equal(whole[r][0][k], resumed[r][0][k]) for k in whole[r][0]), f"rank {r}"
-    entries = whole[0][2]["engine"]["entries"]
-    assert whole[0][2]["engine"]["frozen"] and not any(e["rho1"] or e["rho2"] for e in entries.values())
-    with pytest.raises(RankFailed, match="saved after the masks froze with retrain='average', resumed with "
-                                         "retrain='admm'"):
-        job("admm", saved=[r[2] for r in whole])
-    early = job("admm", take_at=cases.LOCAL_STEPS)   # round 1: nothing differs yet
-    resumed = job("average", saved=[r[2] for r in early], take_at=cases.LOCAL_STEPS)
-    assert all(torch.equal(whole[r][0][k], resumed[r][0][k]) for r in range(4) for k in whole[r][0])
 
 
 def test_a_round_in_flight_is_refused_by_an_engine_without_overlap():
@@ -830,39 +511,39 @@ def test_a_round_in_flight_is_refused_by_an_engine_without_overlap():
     _, engine = chain_engines()
 
     def rank_run(rank):
-        eng = engine(rank, overlap=True, overlap_after_freeze=False)
+        eng = engine(rank, overlap=True, freeze_round=0)
         eng.consensus_round(steps=0)
         saved = eng.state_dict()
-        plain = engine(rank)
+        plain = engine(rank, freeze_round=0)
         with pytest.raises(ValueError, match="holds a round in flight .* resume it with overlap=True"):
             plain.load_state_dict(saved)
         return True
     assert all(run_ranks(2, 2, rank_run))
 
 
-@pytest.mark.parametrize("knobs", [dict(node_sync=True, payload_dtype="bf16", overlap_after_freeze=True,
-                                        overlap_steps=1),
-                                   dict(restart="none", overlap_after_freeze=True, overlap_steps=2),
-                                   # every round overlapped, each folded in at the next round (no step reaches
-                                   # overlap_steps): round 3's fold moves θ off the structure again (by z − θ_sent,
-                                   # θ_sent from before the first masked step), and round 4's steps start there
-                                   dict(overlap_after_freeze=False, overlap_steps=10 * cases.LOCAL_STEPS,
-                                        freeze_round=1, node_sync=True)])
+@pytest.mark.parametrize("knobs", [dict(node_sync=True, payload_dtype="bf16", overlap=1),
+                                   dict(restart="none", overlap=2),
+                                   # frozen after round 1, rounds 2-4 overlapped, each folded in at the next
+                                   # round (no step reaches a quarter of local_steps=100)
+                                   dict(overlap=True, freeze_round=1, node_sync=True)])
 def test_compact_compute_trains_the_same_overlapped_model(knobs, monkeypatch):
-    """compact_compute with overlapped rounds, the masks freezing at a fold mid-round: the layers turn compact
-    only once θ is on the frozen structure, so the run ends where the dense-compute run does (float rounding
-    apart), on every rank. So do the optimizer's momentum buffers, which alone see whether a step's gradient was
-    masked outside the structure (θ is masked after every step): with node_sync and θ on the structure the mask
-    pass is skipped, every term of the gradient being zero there already."""
+    """Compact compute with overlapped rounds after the masks froze: the layers turn compact only once θ is on
+    the frozen structure, so the run ends where the dense-compute run (no layer taken for compact compute) does
+    (float rounding apart), on every rank. So do the optimizer's momentum buffers, which alone see whether a
+    step's gradient was masked outside the structure (θ is masked after every step): with node_sync and θ on the
+    structure the mask pass is skipped, every term of the gradient being zero there already."""
     from prunex_hvd.engine import compact_compute as cc
     calls, plain = [], cc.conv2d_on_support
     monkeypatch.setattr(cc, "conv2d_on_support", lambda *a: calls.append(1) or plain(*a))
     finals = {}
     for compact in (True, False):
         calls.clear()
-        _, runs, _ = train_overlapped_on_threads(2, 2, "chain", "channel:0.5", False, compact_compute=compact,
-                                                 **knobs)
+        with pytest.MonkeyPatch.context() as mp:
+            if not compact:   # the dense-compute run: every layer multiplies in full, every gradient is masked
+                mp.setattr(cc, "supports", lambda layer: False)
+            _, runs, _ = train_overlapped_on_threads(2, 2, "chain", "channel:0.5", False, **knobs)
         assert bool(calls) == compact and runs[0]["engine"].frozen
+        assert any(r["in_flight"] for r in runs[0]["reports"])
         finals[compact] = [dict(run["final"], **{f"momentum {k}": v for k, v in run["momentum"].items()})
                            for run in runs]
     for got, want in zip(finals[True], finals[False]):

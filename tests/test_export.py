@@ -223,7 +223,7 @@ def flops_by_hand(model, x):
 def test_export_a_real_run_from_the_command_line(tmp_path, capsys):
     run = tmp_path / "run"
     rc = cli.main(["train", "--model", "resnet_small", "--dataset", "digits", "--epochs", "2", "--local-epochs", "0.5",
-                   "--threads", "1", "--no-progress", "--out", str(run)])
+                   "--threads", "1", "--out", str(run)])
     assert rc == 0, capsys.readouterr()
     capsys.readouterr()
     out = tmp_path / "export" / "slim.pt"

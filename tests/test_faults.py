@@ -20,7 +20,7 @@ FAULT = ["python", "fault_worker.py"]
 # A launch on this 2-core host can take 20-40 s under load; a timeout well above the ranks' start-up skew
 TIMEOUT_S = 30
 SMALL = ["--model", "resnet_small", "--dataset", "digits", "--image-size", "8", "--epochs", "1", "--local-steps", "3",
-         "--batch-size", "16", "--threads", "1", "--no-progress", "--timeout", str(TIMEOUT_S)]
+         "--batch-size", "16", "--threads", "1", "--timeout", str(TIMEOUT_S)]
 
 
 def fault_cmd(out, fault, rank, at_round):
@@ -149,10 +149,10 @@ def test_a_stalled_rank_is_named_by_every_other_rank(tmp_path, launcher, rank):
 
 
 def test_a_rank_killed_with_an_exchange_in_flight_is_named(tmp_path):
-    """overlap: rank 2, node 1's leader, is killed while round 2's inter-node exchange is in flight (its local
-    steps run). Rank 0 waits for that exchange when round 3 folds it in: the watchdog names the dead rank and
-    the job ends within the bound, not at the timeout."""
-    cmd = fault_cmd(tmp_path, "kill-in-flight", 2, 2) + ["train", *SMALL, "--overlap", "--no-overlap-after-freeze",
+    """overlap (the masks chosen at the start: every round overlaps): rank 2, node 1's leader, is killed while
+    round 2's inter-node exchange is in flight (its local steps run). Rank 0 waits for that exchange when round 3
+    folds it in: the watchdog names the dead rank and the job ends within the bound, not at the timeout."""
+    cmd = fault_cmd(tmp_path, "kill-in-flight", 2, 2) + ["train", *SMALL, "--overlap", "on", "--freeze-round", "0",
                                                          "--out", str(tmp_path / "run")]
     proc = run(mpirun(4, cmd, NODES2), timeout=240)
     took = since_fault(tmp_path)

@@ -36,8 +36,10 @@ def test_mpi_half_words_round_and_add_as_torch_does(dtype):
 
 
 def test_payload_dtype_is_validated():
-    assert ConsensusConfig(payload_dtype="bf16").payload_dtype == "bf16"
+    assert ConsensusConfig(payload_dtype="fp16").payload_dtype == "fp16"
     with pytest.raises(ValueError, match="payload_dtype must be None, 'fp32', 'bf16' or 'fp16'"):
         ConsensusConfig(payload_dtype="int8")
-    with pytest.raises(ValueError, match="hierarchical consensus's inter-node exchange"):
-        ConsensusConfig(payload_dtype="bf16", hierarchical=False)
+    # one flat consensus has no inter-node exchange to narrow
+    with pytest.raises(ValueError, match="hierarchical=False is one flat consensus over the world, with no node tier "
+                                         "for payload_dtype='bf16' to act on: turn it off"):
+        ConsensusConfig.paper(payload_dtype="bf16", hierarchical=False)

@@ -13,7 +13,7 @@ EPOCHS = 8
 COMMON = ["--model", "resnet_small", "--dataset", "digits", "--image-size", "8", "--epochs", str(EPOCHS),
           "--batch-size", "16", "--lr", "0.05", "--rho1", "0.05", "--rho2", "0.05", "--local-steps", "11",
           "--freeze-round", "4",   # a short run needs the nodes coupled: rho2 = rho1, two rounds an epoch
-          "--topk-ratio", "0.05", "--threads", "1", "--no-progress"]
+          "--topk-ratio", "0.05", "--threads", "1"]
 STEPS_PER_EPOCH = 1437 // 4 // 16
 METHODS = ("dense", "topk", "pactrain", "localsgd", "localsgd-hier", "diloco", "prunex-flat", "prunex")
 ROUND_BASED = ("localsgd", "localsgd-hier", "diloco")

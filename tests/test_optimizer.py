@@ -1,6 +1,8 @@
 """DistributedOptimizer in one process (a 1×1 cluster): the wrapper's behaviour, state and errors.
 The multi-rank math is checked against the reference in test_engine_launch.py."""
 import io
+import logging
+import re
 
 import pytest
 import torch
@@ -14,10 +16,13 @@ pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
 
 
 def make(seed=0, **kw):
+    """The paper's round restarting at z (masks frozen by patience, each layer its own channel count), ``kw`` on
+    top."""
     model = toy_cnn(seed)
     args = dict(sparsity="channel:0.5", local_steps=3, rho1=0.05, rho2=0.01)
     args.update(kw)
-    opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, **args)
+    opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                                  px.ConsensusConfig.paper(restart="global"), **args)
     return model, opt
 
 
@@ -161,14 +166,6 @@ def test_retraining_phase_keeps_theta_on_the_frozen_structure():
     assert not torch.equal(z[0], eng.entries[0].param.detach())   # θ is back after the context
 
 
-def test_without_masked_retraining_theta_is_free():
-    model, opt = make(freeze_round=1, masked_retrain=False)
-    train(model, opt, 8)
-    e = opt._engine.structured[1]
-    outside = ~(e.rows[:, None] & e.cols[None, :]).reshape(e.param.shape)
-    assert torch.count_nonzero(e.param.detach()[outside]) > 0
-
-
 def test_one_process_sends_nothing_across_nodes():
     model, opt = make()
     train(model, opt, 6)
@@ -269,3 +266,87 @@ def test_a_global_channel_budget_names_the_layers_that_keep_their_own_count():
         warnings.simplefilter("error")
         _wrap(_Mixed(), sparsity=dict(sparsity, **{"last.*": "channel:0.5"}), channel_budget="global")
         _wrap(_Mixed(), sparsity=dict(sparsity, **{"mix.*": "filter:0.5"}), channel_budget="global")
+
+
+# -- what the recipe takes from the wrapped optimizer: rho_max -----------------------------------------------------
+
+def _recipe(optimizer_of=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), **kw):
+    """The recipe (the library's defaults) around ``optimizer_of(model.parameters())``."""
+    model = toy_cnn(0)
+    return model, px.DistributedOptimizer(optimizer_of(model.parameters()), model, sparsity="channel:0.5",
+                                          local_steps=3, **kw)
+
+
+def test_rho_max_auto_is_derived_from_the_wrapped_optimizers_lr_and_momentum():
+    """rho_max="auto" (the default): (1 − momentum)/(lr · local_steps) from the optimizer wrapped, the lr it
+    starts from where a scheduler attached before wrapping already moved it ("initial_lr"); an optimizer
+    without momentum counts 0; a number is kept."""
+    _, opt = _recipe()
+    assert opt._engine.config.rho_max == pytest.approx((1 - 0.9) / (0.05 * 3))
+
+    def scheduled(params):
+        sgd = torch.optim.SGD(params, lr=0.05, momentum=0.5)
+        torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 0.1)   # lr 0.005 now, initial_lr 0.05
+        assert sgd.param_groups[0]["lr"] == pytest.approx(0.005)
+        return sgd
+    px.shutdown()
+    _, opt = _recipe(scheduled)
+    assert opt._engine.config.rho_max == pytest.approx((1 - 0.5) / (0.05 * 3))
+    px.shutdown()
+    _, opt = _recipe(lambda params: torch.optim.Adam(params, lr=0.01))
+    assert opt._engine.config.rho_max == pytest.approx(1 / (0.01 * 3))
+    px.shutdown()
+    _, opt = _recipe(rho_max=2.5)
+    assert opt._engine.config.rho_max == 2.5
+    px.shutdown()
+    with pytest.raises(ValueError, match=r"rho_max='auto'.*needs lr > 0 and 0 <= momentum < 1.*set rho_max to a "
+                                         r"number"):
+        _recipe(lambda params: torch.optim.SGD(params, lr=0.05, momentum=1.0))
+
+
+SAID = (r"DistributedOptimizer: rho balanced up to rho_max 0\.667 = \(1 - momentum 0\.9\) / \(lr 0\.05 x 3 local "
+        r"steps\), from the optimizer \(rho_max='auto'; a number sets it\)")
+
+
+def _unconfigured_library_logger(monkeypatch):
+    """The ``prunex_hvd`` logger with no handler of its own and none above it, as in a script that never set up
+    logging, whatever pytest (which attaches its own handlers as the test starts) or another test added."""
+    logger = logging.getLogger("prunex_hvd")
+    monkeypatch.setattr(logger, "handlers", [logging.NullHandler()])
+    monkeypatch.setattr(logger, "propagate", False)
+    return logger
+
+
+def test_what_the_recipe_took_is_said_once_on_stderr_without_logging(monkeypatch, capsys):
+    _unconfigured_library_logger(monkeypatch)
+    capsys.readouterr()
+    model, opt = _recipe()
+    assert re.fullmatch("prunex_hvd: " + SAID, capsys.readouterr().err.rstrip("\n"))
+    train(model, opt, 4)   # steps and a round: said at construction only
+    assert "DistributedOptimizer" not in capsys.readouterr().err
+    px.shutdown()
+    _recipe(rho_max=10.0)   # nothing derived: only the cap
+    assert capsys.readouterr().err == "prunex_hvd: DistributedOptimizer: rho balanced up to rho_max 10\n"
+    px.shutdown()
+    _recipe(rho1=1.0)   # a start above the derived cap: the start is the cap
+    assert capsys.readouterr().err == "prunex_hvd: DistributedOptimizer: rho balanced up to rho_max 1 (the starting " \
+        "rho: (1 - momentum 0.9) / (lr 0.05 x 3 local steps) = 0.667 is below it), from the optimizer " \
+        "(rho_max='auto'; a number sets it)\n"
+
+
+def test_what_the_recipe_took_goes_to_the_logger_where_logging_is_set_up(monkeypatch, capsys):
+    library_logger = _unconfigured_library_logger(monkeypatch)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    library_logger.addHandler(handler)
+    level = library_logger.level
+    library_logger.setLevel(logging.INFO)
+    try:
+        capsys.readouterr()
+        _recipe()
+    finally:
+        library_logger.setLevel(level)
+    said = [r for r in records if r.getMessage().startswith("DistributedOptimizer")]
+    assert len(said) == 1 and said[0].levelno == logging.INFO and re.fullmatch(SAID, said[0].getMessage())
+    assert capsys.readouterr().err == ""

@@ -628,6 +628,15 @@ def test_budget_channels_match_the_reference_and_stay_within_the_per_layer_budge
         assert [int(got[n].sum()) for n in got] == [2, 4, 4, 16]
 
 
+def test_budget_channels_keep_at_least_a_tenth_of_every_layer_by_default():
+    from prunex_hvd.engine.sparsity import budget_channels
+    from prunex_hvd.engine.sparsity.projection import BUDGET_FLOOR
+    weights, specs = _budget_case()
+    got, tenth, half = (budget_channels(weights, specs, *floor) for floor in ((), (0.1,), (0.5,)))
+    assert BUDGET_FLOOR == 0.1 and all(torch.equal(got[n], tenth[n]) for n in got)
+    assert not all(torch.equal(got[n], half[n]) for n in got)   # (the floor decides here)
+
+
 def test_budget_channels_ties_go_to_the_earlier_layer_then_the_lower_index():
     from prunex_hvd.engine.sparsity import budget_channels
     weights = {"a": torch.ones(2, 4, 1, 1), "b": torch.ones(2, 4, 1, 1)}   # every channel of the same density

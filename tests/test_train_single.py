@@ -37,7 +37,13 @@ def write_cifar(root, per_batch=24, test=20):
         pickle.dump(batch(test), f)
 
 
-BASE = ["train", "--model", "resnet_small", "--threads", "1", "--no-progress"]
+BASE = ["train", "--model", "resnet_small", "--threads", "1"]
+
+
+def settings_file(path, **settings):
+    """A --config file of ``settings`` at ``path``: the flags prepended to a command line that uses it."""
+    path.write_text(json.dumps(settings))
+    return ["--config", str(path)]
 
 
 def test_cifar10_from_the_pickle_layout(tmp_path, capsys):
@@ -62,7 +68,7 @@ def test_cifar10_from_the_pickle_layout(tmp_path, capsys):
     (["--dataset", "cifar10", "--data-dir", "{tmp}/nowhere"], "cifar-10-batches-py"),
     (["--dataset", "cifar10"], "--data-dir"),
     (["--epochs", "0"], "epochs must be a finite number > 0"),
-    (["--bn-recalibrate", "-1"], "bn_recalibrate must be an int >= 0"),
+    ([{"bn_recalibrate": -1}], "bn_recalibrate must be an int >= 0"),   # a --config file's setting
     (["--model", "resnet9000"], "resnet_small"),
     (["--model", "torchvision:resnet18"], "torchvision"),
     (["--sparsity", "channel:2"], r"keep ratio must be in \(0, 1\]"),
@@ -70,11 +76,7 @@ def test_cifar10_from_the_pickle_layout(tmp_path, capsys):
     (["--batch-size", "4000"], "batch"),
     (["--method", "topk", "--coupled"], "--coupled is a PruneX option"),
     (["--method", "pactrain", "--coupled"], "--coupled is a PruneX option"),   # single weights: nothing to tie
-    (["--method", "dense", "--coupled-streams"], "--coupled is a PruneX option"),
-    (["--method", "localsgd-hier", "--sync-rounds", "2", "--sync-powersgd-rank", "4"],
-     "--sync-powersgd-rank compresses PruneX's synchronous phase"),
-    (["--sync-powersgd-rank", "4"], "sync_powersgd_rank=4 compresses the synchronous phase's gradients, and "
-                                    "sync_rounds=0 has no such phase"),
+    (["--method", "dense", "--coupled", "streams"], "--coupled is a PruneX option"),
     (["--sparsity", "head:0.5"], r"'head:K' needs attention modules"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, capsys, args, message):
@@ -84,7 +86,9 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys, args, message):
             pytest.skip("torchvision imports here")
         except Exception:
             pass
-    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    # a dict among the arguments: those settings in a --config file
+    args = [flag for a in args for flag in ([a.replace("{tmp}", str(tmp_path))] if isinstance(a, str) else
+                                            settings_file(tmp_path / "settings.json", **a))]
     rc = cli.main(BASE + ["--dataset", "digits", "--epochs", "1", "--out", str(tmp_path / "r")] + args)
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("prunex-hvd: error: ") and re.search(message, err), err
@@ -129,10 +133,12 @@ def test_coupled_channels_from_the_command_line(tmp_path, capsys):
                           "--local-steps", "4", "--freeze-round", "1", "--coupled", "--out", str(out)])
     assert rc == 0, capsys.readouterr()
     config = json.loads((out / "config.json").read_text())["config"]
-    assert config["coupled"] is True
-    # --rho-max auto (the default), said on rank 0: (1 - momentum 0.9) / (lr 0.05 x 4 local steps)
-    assert config["round_pull"] == 1.0 and config["rho_max"] == pytest.approx(0.1 / (0.05 * 4))
-    assert "rho balanced up to 0.5 (--rho-max auto" in capsys.readouterr().err
+    assert (config["coupled"], config["rho_max"]) == (True, "auto")
+    # --rho-max auto (the default): the wrapper derives it from the optimizer and says so once, on rank 0
+    err = capsys.readouterr().err
+    assert err.count("rho balanced up to") == 1
+    assert "prunex-hvd: DistributedOptimizer: rho balanced up to rho_max 0.5 = (1 - momentum 0.9) / (lr 0.05 x 4 " \
+           "local steps)" in err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["density"] < 0.47
     state = torch.load(out / "final_model.pt")["state_dict"]
@@ -143,13 +149,13 @@ def test_coupled_channels_from_the_command_line(tmp_path, capsys):
 
 
 def test_coupled_streams_from_the_command_line(tmp_path, capsys):
-    """--coupled-streams: every residual stream's channels are live in all of its readers and writers or in
+    """--coupled streams: every residual stream's channels are live in all of its readers and writers or in
     none, and the blocks' pairs hold as with --coupled; the model is smaller still."""
     from prunex_hvd.engine.dependencies import channel_couplings, channel_streams
     from prunex_hvd.app.models import build
     out = tmp_path / "run"
     rc = cli.main(BASE + ["--dataset", "synthetic", "--image-size", "8", "--batch-size", "16", "--epochs", "1",
-                          "--local-steps", "4", "--freeze-round", "1", "--coupled-streams", "--out", str(out)])
+                          "--local-steps", "4", "--freeze-round", "1", "--coupled", "streams", "--out", str(out)])
     assert rc == 0, capsys.readouterr()
     assert json.loads((out / "config.json").read_text())["config"]["coupled"] == "streams"
     assert json.loads((out / "summary.json").read_text())["density"] < 0.40
@@ -164,13 +170,13 @@ def test_coupled_streams_from_the_command_line(tmp_path, capsys):
     for consumer, producer in channel_couplings(model).items():
         assert torch.equal(state[consumer].abs().sum((0, 2, 3)) != 0, state[producer].flatten(1).abs().sum(1) != 0)
     capsys.readouterr()
-    with pytest.raises(SystemExit) as stop:   # one or the other
-        cli.main(BASE + ["--coupled", "--coupled-streams"])
-    assert stop.value.code == 2 and "not allowed with argument --coupled" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        cli.main(BASE + ["--coupled", "both"])
+    assert stop.value.code == 2 and "argument --coupled: off, pairs or streams, not 'both'" in capsys.readouterr().err
 
 
 def test_a_vit_with_heads_and_mlp_neurons_from_the_command_line(tmp_path, capsys, monkeypatch):
-    """--model vit_tiny --sparsity head:0.5+neuron:0.5 --coupled --augment none: half of every attention
+    """--model vit_tiny --sparsity head:0.5+neuron:0.5 --coupled, augment none: half of every attention
     module's heads and of every MLP's hidden units are zero in the final model, and export removes them."""
     from prunex_hvd.app import data as data_module
     from prunex_hvd.app import export
@@ -183,9 +189,10 @@ def test_a_vit_with_heads_and_mlp_neurons_from_the_command_line(tmp_path, capsys
         real(self, data, *a, **k)
     monkeypatch.setattr(data_module.ShardedLoader, "__init__", spy)
     out = tmp_path / "vit"
-    rc = cli.main(["train", "--model", "vit_tiny", "--dataset", "digits", "--image-size", "8", "--augment", "none",
+    rc = cli.main(["train", "--model", "vit_tiny", "--dataset", "digits", "--image-size", "8",
+                   *settings_file(tmp_path / "settings.json", augment="none"),
                    "--sparsity", "head:0.5+neuron:0.5", "--coupled", "--batch-size", "32", "--epochs", "1",
-                   "--local-steps", "6", "--freeze-round", "1", "--threads", "1", "--no-progress", "--out", str(out)])
+                   "--local-steps", "6", "--freeze-round", "1", "--threads", "1", "--out", str(out)])
     assert rc == 0, capsys.readouterr()
     assert seen and set(seen) == {"none"}
     state = torch.load(out / "final_model.pt")["state_dict"]
@@ -209,9 +216,9 @@ def test_a_vit_trains_on_cifar10_at_32x32(tmp_path, capsys):
     write_cifar(tmp_path / "data", per_batch=64, test=40)
     out = tmp_path / "vit-cifar"
     rc = cli.main(["train", "--model", "vit_tiny", "--dataset", "cifar10", "--data-dir", str(tmp_path / "data"),
-                   "--image-size", "32", "--augment", "none", "--sparsity", "head:0.5+neuron:0.5", "--coupled",
-                   "--batch-size", "32", "--epochs", "3", "--local-steps", "5", "--threads", "1", "--no-progress",
-                   "--out", str(out)])
+                   "--image-size", "32", *settings_file(tmp_path / "settings.json", augment="none"),
+                   "--sparsity", "head:0.5+neuron:0.5", "--coupled", "--batch-size", "32", "--epochs", "3",
+                   "--local-steps", "5", "--threads", "1", "--out", str(out)])
     assert rc == 0, capsys.readouterr()
     losses = [json.loads(line)["train_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
               if "train_loss" in json.loads(line)]

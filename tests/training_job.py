@@ -8,7 +8,7 @@ from launching import BIN, mpirun, run
 
 ARGS = ["--model", "resnet_small", "--dataset", "digits", "--image-size", "8", "--epochs", "3", "--local-steps", "7",
         "--batch-size", "16", "--lr", "0.05", "--rho1", "0.01", "--rho2", "0.001", "--freeze-round", "3",
-        "--threads", "1", "--no-progress"]
+        "--threads", "1"]
 STEPS = 3 * (1437 // 4 // 16)                       # 22 batches per epoch and rank on the digits split
 NODES2 = ["PRUNEX_RANKS_PER_NODE=2"]
 

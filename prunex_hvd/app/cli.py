@@ -146,10 +146,13 @@ def _export(args) -> int:
 
 
 def _train_config(args):
-    """The flags' values as a TrainConfig (the consensus's knobs go into its ``consensus``)."""
+    """The flags' values as a TrainConfig (the consensus's knobs go into its ``consensus``): a ``--config`` file's
+    settings first, the flags given on the command line over them."""
     from prunex_hvd.app.train import TrainConfig
 
-    flat = {k: v for k, v in vars(args).items() if k in _flat_names()}
+    flat = dict(args.file_settings)
+    flat.update({k: v for k, v in vars(args).items() if k in _flat_names() and k in args.given})
+    flat.setdefault("method", args.method)
     if isinstance(flat.get("sparsity"), str) and flat["sparsity"].lstrip().startswith("{"):
         try:   # here, not in argparse: an error every rank prints, the same way as any other
             flat["sparsity"] = json.loads(flat["sparsity"])
@@ -162,7 +165,7 @@ def _flat_names():
     from prunex_hvd.app.train import TrainConfig
     from prunex_hvd.engine.config import ConsensusConfig
 
-    return {f.name for f in dataclasses.fields(TrainConfig)} | set(ConsensusConfig.knob_names())
+    return {f.name for f in dataclasses.fields(TrainConfig)} | set(ConsensusConfig.knob_names()) | {"paper"}
 
 
 def _number_or(kind, **words):
@@ -180,168 +183,185 @@ def _number_or(kind, **words):
     return parse
 
 
-_freeze_round = _number_or(int, auto="auto", none=None, **{"": None})
-_ramp_rounds = _number_or(int, auto="auto")
-_release_round = _number_or(int, auto="auto", none=None)
-_warmup_epochs = _number_or(float, auto="auto")
-_rho_max = _number_or(float, auto="auto")
+def _overlap(text: str):
+    if text.lower() in ("on", "true", "yes"):
+        return True
+    if text.lower() in ("off", "false", "no", "0"):
+        return False
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"on, off or a number of steps, not {text!r}") from None
+
+
+_COUPLED = {"off": False, "pairs": True, "streams": "streams"}
+
+
+def _coupled(text: str):
+    if text not in _COUPLED:
+        raise argparse.ArgumentTypeError(f"off, pairs or streams, not {text!r}")
+    return _COUPLED[text]
+
+# Knobs measured and removed: the flag is refused, naming the log entry that says what it did and how to bring it
+# back (benchmarks/log/removed-knobs.md).
+REMOVED_FLAGS = {flag: entry for entry, flags in {
+    "relaxation": ("--relaxation",), "rho_growth": ("--rho-growth",), "keep_ramp_rounds": ("--keep-ramp-rounds",),
+    "rho2_release_round": ("--rho2-release-round",), "acceleration": ("--acceleration", "--outer-momentum"),
+    "keep_start_norm": ("--keep-start-norm", "--no-keep-start-norm"), "sync_rounds": ("--sync-rounds",),
+    "sync_powersgd_rank": ("--sync-powersgd-rank",),
+    "overlap_after_freeze": ("--overlap-after-freeze", "--no-overlap-after-freeze"), "overlap_steps": ("--overlap-steps",),
+    "weight_decay_z": ("--weight-decay-z",), "budget_floor": ("--budget-floor",),
+    "balance_rho2": ("--balance-rho2", "--no-balance-rho2"), "retrain": ("--retrain",),
+    "masked_retrain": ("--masked-retrain", "--no-masked-retrain"),
+    "compact_compute": ("--compact-compute", "--no-compact-compute"),
+}.items() for flag in flags}
+# Settings with no flag of their own: a --config file (or the Python API) sets them.
+CONFIG_ONLY = ("restart", "adaptive_rho", "freeze_patience", "rack_tier", "rho3", "bucket_mb", "augment",
+               "test_batch_size", "nesterov", "lr_schedule", "eval_every", "bn_recalibrate", "progress",
+               "topk_warmup_steps", "pactrain_score", "pactrain_patience", "terngrad", "diloco_outer_lr",
+               "diloco_outer_momentum")
+
+
+def refuse_removed_flags(argv) -> None:
+    """A removed knob's flag, or a setting that has only a --config key, gets a ``ValueError`` that says so."""
+    for token, after in zip(argv, list(argv[1:]) + [None]):
+        flag, _, value = token.partition("=")
+        if flag == "--coupled-streams":
+            raise ValueError("--coupled-streams is now --coupled streams")
+        if flag == "--freeze-round" and (value or after or "").lower() == "auto":
+            raise ValueError("--freeze-round auto was removed (benchmarks/log/removed-knobs.md, 'freeze_fraction'): "
+                             "the masks are chosen at the start by default (0); give a round number to freeze later")
+        if flag in REMOVED_FLAGS:
+            entry = REMOVED_FLAGS[flag]
+            raise ValueError(f"{flag} was removed: the measurements did not earn it a place (benchmarks/log/"
+                             f"removed-knobs.md, '{entry}', says what it did and the commit to bring it back from)")
+        name = flag[2:].replace("-", "_").removeprefix("no_") if flag.startswith("--") else None
+        if name in CONFIG_ONLY:
+            raise ValueError(f"{flag} is not a flag: set {name!r} in a --config JSON file (a run's config.json "
+                             f"holds every setting), or through the Python API")
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     from prunex_hvd.app import methods, models
-    from prunex_hvd.app.data import AUGMENTS, DATASETS
+    from prunex_hvd.app.data import DATASETS
     from prunex_hvd.app.train import TrainConfig as D
+    from prunex_hvd.engine.config import CHANNEL_BUDGETS, ConsensusConfig
 
+    C = ConsensusConfig()
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=D.model, help=f"{', '.join(models.NAMES)}, or torchvision:NAME (GPU hosts)")
     g.add_argument("--dataset", default=D.dataset, choices=DATASETS,
                    help="digits: embedded, no download; cifar10: needs --data-dir; synthetic: for benchmarks")
     g.add_argument("--data-dir", default=D.data_dir, help="folder holding cifar-10-batches-py/")
-    g.add_argument("--image-size", type=int, default=None, help="input side in pixels (default: the model's)")
-    g.add_argument("--augment", default=None, choices=AUGMENTS,
-                   help="train-time augmentation (default: the dataset's: shift for digits, cifar for cifar10; a ViT "
-                        "on the digits learns far better without: none)")
-    g = schedule = p.add_argument_group("schedule")
-    g.add_argument("--method", default=D.method, choices=list(methods.METHODS))
-    g.add_argument("--epochs", type=float, default=D.epochs)
+    g.add_argument("--image-size", type=int, default=None, help="input side in pixels (None: the model's)")
+    g = p.add_argument_group("schedule")
+    g.add_argument("--method", default=D.method, choices=list(methods.METHODS), metavar="METHOD",
+                   help=f"how the ranks talk: {', '.join(methods.METHODS)}")
+    g.add_argument("--epochs", type=float, default=D.epochs, help="epochs of training")
     g.add_argument("--local-epochs", type=float, default=D.local_epochs, help="epochs of local steps per round")
+    g.add_argument("--local-steps", type=int, default=None, help="steps per round (overrides --local-epochs)")
     g.add_argument("--batch-size", type=int, default=D.batch_size, help="per rank")
-    g.add_argument("--test-batch-size", type=int, default=D.test_batch_size)
     g.add_argument("--lr", type=float, default=D.lr,
                    help="per update. prunex/prunex-flat update on one rank's batch between rounds, dense on the "
                         "average over all ranks: from a dense lr L over W ranks start PruneX near L/W")
-    g.add_argument("--momentum", type=float, default=D.momentum)
-    g.add_argument("--weight-decay", type=float, default=D.weight_decay)
-    g.add_argument("--nesterov", action="store_true")
-    g.add_argument("--lr-schedule", default=D.lr_schedule, choices=("cosine", "constant"))
-    g.add_argument("--warmup-epochs", type=_warmup_epochs, default="auto",
+    g.add_argument("--momentum", type=float, default=D.momentum, help="SGD's momentum")
+    g.add_argument("--weight-decay", type=float, default=D.weight_decay, help="SGD's weight decay")
+    g.add_argument("--warmup-epochs", type=_number_or(float, auto="auto"), default="auto",
                    help="linear lr warm-up: epochs, or auto (two epochs for prunex / prunex-flat, at most an eighth of "
-                        "the run; none for the others: a round-based consensus loses most in its first rounds at full "
-                        "lr)")
-    g.add_argument("--seed", type=int, default=D.seed)
-    g = p.add_argument_group("H-SADMM (prunex, prunex-flat); defaults are a recipe measured to converge in "
-                             "tens of rounds, the paper's are rho1=1.5e-3 rho2=1.5e-4")
-    _consensus_flags({"consensus": g, "schedule": schedule})
-    g = p.add_argument_group("baselines (--method dense | topk | pactrain | localsgd | localsgd-hier | diloco | "
-                             "prunex-flat); the round-based ones talk every --local-steps / --local-epochs")
+                        "the run; none for the others)")
+    g.add_argument("--seed", type=int, default=D.seed, help="model, data order and augmentation")
+    g = p.add_argument_group("H-SADMM (prunex, prunex-flat): the defaults are the measured recipe "
+                             "(help(prunex_hvd.ConsensusConfig) is the tuning guide)")
+    g.add_argument("--sparsity", default=C.sparsity, help=_help("sparsity"))
+    g.add_argument("--coupled", type=_coupled, nargs="?", const=True, default="off", metavar="{off,pairs,streams}",
+                   help="prune a conv's input channels with the filters that produce them (pairs; --coupled alone), "
+                        "and each residual stream as one group (streams): less traffic, a smaller exported model")
+    g.add_argument("--channel-budget", default=C.channel_budget, choices=CHANNEL_BUDGETS, help=_help("channel_budget"))
+    g.add_argument("--freeze-round", type=_number_or(int, none=None), default=C.freeze_round,
+                   help="round after which the masks freeze: 0 (chosen from the initial weights before the first "
+                        "step), N, or none (once they hold for 3 rounds)")
+    g.add_argument("--rho1", type=float, default=C.rho1, help=_help("rho1"))
+    g.add_argument("--rho2", type=float, default=C.rho2, help=_help("rho2"))
+    g.add_argument("--rho-max", type=_number_or(float, auto="auto"), default=C.rho_max, help=_help("rho_max"))
+    g.add_argument("--node-sync", action=argparse.BooleanOptionalAction, default=C.node_sync, help=_help("node_sync"))
+    g.add_argument("--payload-dtype", type=_number_or(str, none=None), default=C.payload_dtype,
+                   choices=("bf16", "fp16", "fp32", None), metavar="{bf16,fp16,fp32,none}", help=_help("payload_dtype"))
+    g.add_argument("--overlap", type=_overlap, default=C.overlap, metavar="{off,on,N}",
+                   help="hide each round's inter-node exchange behind the next round's first steps: on (folded in "
+                        "after a quarter of a round) or N steps")
+    g.add_argument("--paper", action="store_true",
+                   help="start from the paper's round instead of the recipe (rho 1.5e-3 / 1.5e-4, no restart, no "
+                        "node sync, masks frozen when stable, per-layer channels; no lr warm-up unless asked): for "
+                        "ablations")
+    g = p.add_argument_group("baselines (--method dense | topk | pactrain | localsgd | localsgd-hier | diloco); the "
+                             "round-based ones talk every --local-steps / --local-epochs")
     g.add_argument("--topk-ratio", type=float, default=D.topk_ratio, help="topk: fraction of each layer sent")
-    g.add_argument("--topk-warmup-steps", type=int, default=D.topk_warmup_steps, help="topk: dense steps first")
-    g.add_argument("--pactrain-score", default=D.pactrain_score, choices=("magnitude", "grasp"),
-                   help="pactrain: how weights are scored for pruning (keep ratio from --sparsity)")
-    g.add_argument("--pactrain-patience", type=int, default=D.pactrain_patience,
-                   help="pactrain: steps the mask must hold before gradients travel compacted")
     g.add_argument("--pactrain-structure", default=D.pactrain_structure, choices=("unstructured", "structured"),
-                   help="pactrain: single weights (the paper), or PruneX's structure at init (whole channels, "
-                        "filters, heads, each layer keeping its own ratio: --channel-budget layer; --coupled as "
-                        "for prunex)")
-    g.add_argument("--terngrad", action="store_true", help="pactrain: ternary gradients with a shared scale")
+                   help="pactrain: single weights (the paper), or PruneX's structure at init")
     g.add_argument("--hier-intra-steps", type=int, default=D.hier_intra_steps,
                    help="localsgd-hier: steps between averages within a node; must divide the round's steps "
-                        "(default: the largest divisor not above a quarter of them)")
-    g.add_argument("--diloco-outer-lr", type=float, default=D.diloco_outer_lr, help="diloco: outer Nesterov SGD lr")
-    g.add_argument("--diloco-outer-momentum", type=float, default=D.diloco_outer_momentum,
-                   help="diloco: outer Nesterov SGD momentum")
+                        "(None: the largest divisor not above a quarter of them)")
     g = p.add_argument_group("job")
-    _consensus_flags({"job": g})
+    g.add_argument("--config", default=None, metavar="JSON",
+                   help="a file of settings (a run's config.json, or {\"name\": value, ...} of any TrainConfig or "
+                        "ConsensusConfig field); the flags given here go over it")
+    g.add_argument("--backend", default=C.backend, help=_help("backend"))
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="emulate nodes: node = rank // N (same as env PRUNEX_RANKS_PER_NODE)")
     g.add_argument("--nodes-per-rack", type=int, default=None,
-                   help="racks of N consecutive nodes (same as env PRUNEX_NODES_PER_RACK; default: Slurm's switch "
+                   help="racks of N consecutive nodes (same as env PRUNEX_NODES_PER_RACK; None: Slurm's switch "
                         "topology where set, else one rack per node)")
     g.add_argument("--timeout", type=float, default=None,
                    help="seconds a collective may wait for the other ranks before the job stops, naming the ranks "
-                        "that did not arrive (a dead rank: within ~1 s); default env PRUNEX_TIMEOUT_S or 600, 0: off")
+                        "that did not arrive (None: env PRUNEX_TIMEOUT_S or 600; 0: off)")
     g.add_argument("--out", default=D.out, help="run folder: metrics.jsonl, summary.json, checkpoints")
     g.add_argument("--checkpoint-every", type=int, default=D.checkpoint_every,
                    help="rounds between checkpoints (0: off)")
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     g.add_argument("--stop-after-rounds", type=int, default=None,
                    help="run this many rounds, checkpoint and stop (time-boxed slices of one schedule)")
-    g.add_argument("--eval-every", type=int, default=D.eval_every, help="rounds between test evaluations")
-    g.add_argument("--bn-recalibrate", type=int, default=D.bn_recalibrate, metavar="N",
-                   help="measure the evaluated model's BatchNorm statistics again on N training batches per rank, "
-                        "the final model's on a whole epoch (at most 256 batches), weights held, averaged over the "
-                        "ranks (every method; 0: the round's own statistics)")
     g.add_argument("--threads", type=int, default=None,
-                   help="torch threads per rank (default: cores / ranks on the host)")
+                   help="torch threads per rank (None: cores / ranks on the host)")
     g.add_argument("--device", default=D.device, choices=("auto", "cpu", "cuda"),
                    help="auto: the GPU of this local rank when CUDA is available, else cpu")
-    g.add_argument("--no-progress", dest="progress", action="store_false")
 
 
-# how the command line shows the consensus's knobs where a plain --name VALUE (or --no-name for a switch that
-# is on) would not do; the help is the knob's own (ConsensusConfig) unless given here
-_FLAGS = {
-    "local_steps": dict(group="schedule", default=None, help="steps per round (overrides --local-epochs)"),
-    "freeze_round": dict(type=_freeze_round,
-                         help="round after which masks freeze: 0 (the channels chosen from the initial weights "
-                              "before the first step, every round training the pruned model), N (1: the channels "
-                              "round 1 chose), auto (a third of the planned rounds) or none (only "
-                              "--freeze-patience)"),
-    "keep_ramp_rounds": dict(type=_ramp_rounds,
-                             help="rounds over which every keep ratio falls from 1 to its target (cubic), masks "
-                                  "freezing only after: 0 (the default: the target from round 1), N, or auto (a "
-                                  "quarter of the planned rounds)"),
-    "rho2_release_round": dict(type=_release_round,
-                               help="from the end of this round rho2 (and rho3) stop being balanced and halve each "
-                                    "round back to where they started: N, auto (after a third of the planned "
-                                    "rounds) or none (the default: balanced to the end)"),
-    "rho_max": dict(type=_rho_max, default="auto",
-                    help="cap of the balanced rho's: N, or auto (where a round's steps would pull θ back once its "
-                         "distance to the anchor under the proximal term alone: (1 - momentum)/(lr x local steps))"),
-    "adaptive_rho": dict(help="balance primal and dual residuals per layer by rescaling rho (--no-adaptive-rho: "
-                              "every rho fixed, or on the --rho-growth schedule)"),
-    "masked_retrain": dict(help="after freezing, keep θ on the frozen structure (--no-masked-retrain: only z is "
-                                "masked)"),
-    "payload_dtype": dict(choices=("fp32", "bf16", "fp16"),
-                          help="what the inter-node exchange carries (default: the model's dtype); bf16 / fp16 "
-                               "send the change since the last consensus, rounded, with error feedback: half "
-                               "the bytes"),
-    "overlap_steps": dict(type=int, help="with --overlap: fold each round's exchange in after this many of the "
-                                         "next round's local steps (default: a quarter of a round)"),
-    "rho3": dict(type=float, help="with racks: pull of each rack's consensus toward the global z (default: "
-                                  "--rho2)"),
-    "backend": dict(group="job"),
-    "hierarchical": None,   # the method decides: prunex or prunex-flat
-}
+def _help(knob: str) -> str:
+    from prunex_hvd.engine.config import ConsensusConfig
+
+    return next(f.metadata["help"] for f in dataclasses.fields(ConsensusConfig) if f.name == knob)
 
 
-def _consensus_flags(groups: dict) -> None:
-    """The one place the consensus's knobs (:class:`ConsensusConfig`'s fields) become flags, with the
-    trainer's recipe (``train.RECIPE``) as defaults; each lands in ``groups[its group]`` (default
-    ``"consensus"``); knobs whose group is not in ``groups`` are left to another call."""
-    from prunex_hvd.app.train import RECIPE
-    from prunex_hvd.engine.config import ACCELERATIONS, CHANNEL_BUDGETS, RESTARTS, RETRAINS, ConsensusConfig
+def _settings_file(path: str) -> dict:
+    """A --config file's flat settings: a run's config.json (its ``config``) or a plain ``{name: value}``."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--config {path}: {exc}") from None
+    settings = doc.get("config", doc) if isinstance(doc, dict) else None
+    if not isinstance(settings, dict):
+        raise ValueError(f"--config {path}: expected a JSON object of settings, got {type(doc).__name__}")
+    from prunex_hvd.app.train import REMOVED_ANY, REMOVED_OFF, removed_settings
 
-    for f in dataclasses.fields(ConsensusConfig):
-        special = _FLAGS.get(f.name, {})
-        if special is None or special.get("group", "consensus") not in groups:
-            continue
-        g = groups[special.get("group", "consensus")]
-        flag, default, text = "--" + f.name.replace("_", "-"), getattr(RECIPE, f.name), f.metadata["help"]
-        if f.name == "coupled":
-            c = g.add_mutually_exclusive_group()
-            c.add_argument("--coupled", action="store_true",
-                           help="channel pruning with dependencies: a conv's dropped input channels also drop the "
-                                "filters (and BN channels) that produce them and nothing else reads; less traffic, "
-                                "smaller model")
-            c.add_argument("--coupled-streams", dest="coupled", action="store_const", const="streams",
-                           help="--coupled, and every residual stream one channel group: all convs reading and "
-                                "writing it drop the same channels (readers' channel:K), so export removes all of "
-                                "them")
-        elif f.type == "bool":   # --name / --no-name, the recipe's value by default
-            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                           help=special.get("help", text))
-        else:
-            kind = special.get("type", {"float": float, "int": int}.get(f.type))   # annotations are strings
-            g.add_argument(flag, type=kind, default=special.get("default", default), help=special.get("help", text),
-                           choices={"restart": RESTARTS, "acceleration": ACCELERATIONS,
-                                    "retrain": RETRAINS, "channel_budget": CHANNEL_BUDGETS}.get(
-                                        f.name, special.get("choices")))
+    on = removed_settings(settings)
+    if on:   # (a run's config.json from before holds every removed knob, off where it meant nothing)
+        raise ValueError(f"--config {path}: {', '.join(on)} was removed (benchmarks/log/removed-knobs.md, "
+                         f"'{on[0].split()[0]}')")
+    if settings.get("round_pull") == REMOVED_OFF["round_pull"]:   # the cap from the lr, now rho_max="auto"
+        settings = dict(settings, rho_max="auto")
+    settings = {k: v for k, v in settings.items() if k not in REMOVED_OFF and k not in REMOVED_ANY}
+    for name in settings:
+        if name not in _flat_names():
+            raise ValueError(f"--config {path}: {name!r} is not a setting of prunex-hvd train")
+    return {k: v for k, v in settings.items() if k not in ("out", "resume")}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import prunex_hvd
+
     ap = argparse.ArgumentParser(prog="prunex-hvd", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--version", action="version", version=f"prunex-hvd {prunex_hvd.__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="topology, usable backends, and an optional probe of each tier")
     info.add_argument("--backend", default="auto")
@@ -353,10 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run a hierarchical allreduce of this many MB and show the bytes per tier")
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=_info)
-    train = sub.add_parser("train", help="train a model with --method under any launcher")
+    shown = argparse.ArgumentDefaultsHelpFormatter
+    train = sub.add_parser("train", help="train a model with --method under any launcher", formatter_class=shown)
     _add_train_args(train)
     train.set_defaults(func=_train)
-    cmp_ = sub.add_parser("compare", help="train several --methods in turn on the same setup and tabulate them")
+    cmp_ = sub.add_parser("compare", help="train several --methods in turn on the same setup and tabulate them",
+                          formatter_class=shown)
     _add_train_args(cmp_)
     cmp_.add_argument("--methods", default="dense,topk,pactrain,localsgd,localsgd-hier,diloco,prunex-flat,prunex",
                       help="comma-separated; each run goes to --out/<method>")
@@ -382,8 +404,27 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def parse(argv) -> argparse.Namespace:
+    """The command line as the commands read it: for ``train`` and ``compare`` the flags given (``given``) and the
+    ``--config`` file's settings (``file_settings``) too. A removed or config-only flag, or a bad ``--config``
+    file, raises ``ValueError``; argparse's own errors exit 2."""
+    parser = build_parser()
+    command = next((t for t in argv if not t.startswith("-")), None)
+    if command in ("train", "compare"):
+        refuse_removed_flags(argv)
+    args = parser.parse_args(argv)
+    if command in ("train", "compare"):
+        args.given = _given_flags(parser, command, argv)
+        args.file_settings = _settings_file(args.config) if args.config else {}
+    return args
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parse(argv)
+    except ValueError as exc:
+        build_parser().exit(2, f"prunex-hvd: error: {exc}\n")
     _show_the_library_log()
     try:
         code = args.func(args)
@@ -394,6 +435,21 @@ def main(argv=None) -> int:
     from prunex_hvd.dist import runtime
     runtime.finish()   # every rank leaves together, its groups taken down before the interpreter goes
     return code
+
+
+def _given_flags(parser: argparse.ArgumentParser, command: str, argv) -> set:
+    """The settings (argparse dests) whose flags the command line gave."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    by_flag = {flag: a.dest for a in sub._actions for flag in a.option_strings}
+    for a in sub._actions:   # --no-X of a BooleanOptionalAction
+        by_flag.update({flag: a.dest for flag in a.option_strings})
+    given = set()
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        matches = [f for f in by_flag if f == flag] or [f for f in by_flag if f.startswith(flag) and flag.startswith("--")]
+        if len(matches) == 1:   # (argparse takes unambiguous prefixes too)
+            given.add(by_flag[matches[0]])
+    return given
 
 
 def _show_the_library_log() -> None:

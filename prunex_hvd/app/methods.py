@@ -60,8 +60,7 @@ def _prunex(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, sampl
     return DistributedOptimizer(optimizer, model, cfg.consensus, hierarchical=hierarchical,
                                 node_sync=hierarchical and cfg.consensus.node_sync,
                                 payload_dtype=cfg.consensus.payload_dtype if hierarchical else None,
-                                overlap=hierarchical and cfg.consensus.overlap,
-                                overlap_steps=cfg.consensus.overlap_steps if hierarchical else None)
+                                overlap=hierarchical and cfg.consensus.overlap)
 
 
 def _prunex_flat(optimizer, model, cfg, sample_batch):
@@ -94,26 +93,22 @@ def _pactrain(optimizer, model, cfg, sample_batch):
 
 def _localsgd(optimizer, model, cfg, sample_batch):
     from ..baselines import averaging
-    return averaging.LocalSGD(optimizer, model, period=cfg.consensus.local_steps, backend=cfg.consensus.backend,
-                              sync_rounds=cfg.consensus.sync_rounds)
+    return averaging.LocalSGD(optimizer, model, period=cfg.consensus.local_steps, backend=cfg.consensus.backend)
 
 
 def _localsgd_hier(optimizer, model, cfg, sample_batch):
     from ..baselines import averaging
     return averaging.HierarchicalLocalSGD(optimizer, model, period=cfg.consensus.local_steps,
-                                          intra_period=cfg.hier_intra_steps, backend=cfg.consensus.backend,
-                                          sync_rounds=cfg.consensus.sync_rounds)
+                                          intra_period=cfg.hier_intra_steps, backend=cfg.consensus.backend)
 
 
 def _diloco(optimizer, model, cfg, sample_batch):
     from ..baselines import averaging
     return averaging.DiLoCo(optimizer, model, period=cfg.consensus.local_steps, outer_lr=cfg.diloco_outer_lr,
-                            outer_momentum=cfg.diloco_outer_momentum, backend=cfg.consensus.backend,
-                            sync_rounds=cfg.consensus.sync_rounds)
+                            outer_momentum=cfg.diloco_outer_momentum, backend=cfg.consensus.backend)
 
 
-# the round-based methods take their period from the consensus's local_steps (--local-steps / --local-epochs), and
-# their synchronous phase from its sync_rounds (--sync-rounds)
+# the round-based methods take their period from the consensus's local_steps (--local-steps / --local-epochs)
 METHODS: Dict[str, Callable] = {"dense": _dense, "topk": _topk, "pactrain": _pactrain, "localsgd": _localsgd,
                                 "localsgd-hier": _localsgd_hier, "diloco": _diloco, "prunex-flat": _prunex_flat,
                                 "prunex": _prunex}

@@ -22,6 +22,7 @@ import math
 import os
 import random
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -39,46 +40,13 @@ from .report import run_config
 from .data import AUGMENTS, ShardedLoader, load_dataset
 
 
-# The trainer's recipe, chosen by measurement on three tasks (benchmarks/README.md, "Accuracy per epoch"):
-# every rank restarts at z each round, the node's ranks average their gradients every step (node_sync), ρ starts
-# at 0.01 / 0.001 with residual balancing. Until the lr warm-up joined it, the kept fraction also ramped from 1 to
-# its target over the first quarter of the rounds (AUTO_RAMP, now --keep-ramp-rounds auto); the figures below are
-# that recipe's. ResNet-18 on digits at 8×8 (the emulated cluster's task): 80% after 4.7 epochs, 98.06%
-# final (without the ramp 5.8, 96.30%; without node_sync 9 epochs, 92.2%; the first recipe, ρ growing 1.3× a
-# round and relaxation 1.3, about 42%). Digits (resnet_small): 95% after 8.8 epochs, 98.44% final (without the
-# ramp 8.8, 98.89%). Synthetic: 80% after 5.0 epochs (without the ramp 6.0), all at ~100%. The inter-node
-# exchange carries the change since z in bfloat16 with error feedback (payload_dtype): half the bytes, the same
-# accuracy on the three tasks (ResNet-18 98.39% over 5 seeds, digits 98.61%, synthetic 100%). On top, from the
-# trainer's own settings: the lr warmed up (AUTO_WARMUP_EPOCHS), the balanced ρ's capped by the round's
-# length (--rho-max auto, AUTO_ROUND_PULL).
-RECIPE = ConsensusConfig(rho1=0.01, rho2=0.001, adaptive_rho=True, restart="global", node_sync=True,
-                         payload_dtype="bf16", freeze_round=0, channel_budget="global")
-# The masks are chosen from the initial weights before the first step (freeze_round=0; until 2026-11-29 after round
-# 1, whose warm-up steps hardly move the weights: the same channels, cut one epoch later): why, and the figures, in
-# ConsensusConfig's tuning guide (freeze_round) and benchmarks/README, "Masks chosen at the start". channel:K is one
-# budget across the layers (channel_budget; benchmarks/README, "One channel budget across the layers").
-AUTO_FREEZE = 1 / 3   # --freeze-round auto: masks move for the first third, the rest retrains the structure
-AUTO_RAMP = 1 / 4     # --keep-ramp-rounds auto: the kept fraction falls from 1 to its target over the first quarter
-AUTO_RELEASE = 1 / 3  # --rho2-release-round auto: ρ2 balanced for the first third, then released; not the recipe
-# (ConsensusConfig's tuning guide, rho2_release_round; benchmarks/README, "Releasing ρ2")
-# The recipe has no keep ramp since the warm-up chooses the channels (benchmarks/README, "The keep ramp with the
-# warm-up" and "Goal 3 without the keep ramp"): digits 98.99% against 98.90 with it (20 seeds), ResNet-18 98.68%
-# against 98.54 (4), synthetic level, 5% fewer bytes; on the emulated cluster 0.80 in 0.91x the time (5 seeds).
-# --warmup-epochs auto: PruneX's methods warm the user's lr up linearly over the first two epochs; the others take
-# the user's schedule as it is. A round-based consensus loses most in its first rounds from a random initialisation
-# (each node takes a round of full-lr steps alone on its node's batch, which diverges at this lr). ResNet-18 on digits
-# at 8×8, 7 seeds side by side: no warm-up 97.22% at the end, one epoch 98.57%, two 98.81% (90% after 6.2 / 6.1 /
-# 4.9 epochs); digits 98.44 / 98.61 / 98.89% (5 seeds); synthetic level (benchmarks/README, "A warm-up of the lr"
-# and "Two epochs of warm-up").
-# Fifteenth sweep: the deep model needs it at this lr for the methods whose nodes step apart (a node's batch
-# diverges in the first rounds without it; hierarchical local SGD given it ends 0.90 points higher at the last
-# epoch), and half an epoch is not enough (0.62 lower than two), while digits learns its first epochs fastest
-# without it ("The warm-up a task needs").
-# Capped at an eighth of the run so that a short one still trains mostly at its full lr.
+# --warmup-epochs auto: PruneX's methods warm the lr up linearly over the first two epochs, at most an eighth of the
+# run so that a short one still trains mostly at its full lr; the other methods take the user's schedule as it is. A
+# node's first rounds from a random start step alone on the node's batch, which diverges at ResNet-18's lr 0.05
+# without it (benchmarks/README, "The warm-up a task needs"). The library leaves the lr to the user's script.
 AUTO_WARMUP_EPOCHS = 2.0
 AUTO_WARMUP_MAX_FRACTION = 1 / 8
 PRUNEX_METHODS = ("prunex", "prunex-flat")
-WARMED_UP_METHODS = PRUNEX_METHODS
 # A training loss above this many times a uniform guess's, ln(classes), means the lr diverges on each worker's batch:
 # ResNet-18 on digits at 8×8, lr 0.05, a node's batch of 32, no warm-up: 3.9-5.0 in the first rounds for PruneX and
 # hierarchical local SGD (ln 10 = 2.30), at most 3.2 with the two-epoch warm-up (8% under the 3.45 this sets),
@@ -88,27 +56,15 @@ DIVERGING_LOSS = 1.5
 # cumulative mean over 64 ranks' 256 batches is far past the point where it moves; an epoch of a large dataset on
 # few ranks would cost a third of a training epoch in forward passes)
 FINAL_BN_BATCHES = 256
-# --rho-max auto: residual balancing stops raising a ρ where a round's local steps, under the proximal term alone,
-# would pull θ back this many times its distance to the anchor. With heavy-ball momentum β a steady force F moves θ
-# by lr·F/(1 − β) a step, so H steps at ρ pull back H·lr·ρ/(1 − β) of the distance: ρ_max = pull·(1 − β)/(lr·H),
-# at the user's lr. Balancing raises ρ1 to 0.64 on digits' layers (22 steps a round, pull 7) and to 0.32 on
-# ResNet-18's (11 steps, pull 1.8): a round's steps then mostly fight the spring. Capped at a pull of 1, side by
-# side: digits 98.81% against 98.69% (10 seeds), 97% after 11.6 epochs against 13.1; ResNet-18 on digits at 8×8
-# 98.54% against 98.47% (4 seeds), 90% after 5.3 epochs against 6.1 (benchmarks/README, "A cap on ρ from the
-# round's length").
-AUTO_ROUND_PULL = 1.0
 
 
 @dataclass
 class TrainConfig:
-    """Every knob of a run: the consensus's in ``consensus`` (:class:`ConsensusConfig`, the recipe
-    :data:`RECIPE` by default), the application's here. The trainer's schedule is in epochs, so two of the
-    consensus's knobs are set from it unless asked for: ``local_steps`` from ``local_epochs``, ``freeze_round``
-    from ``freeze_fraction``, ``keep_ramp_rounds`` from ``ramp_fraction``, ``rho2_release_round`` from
-    ``release_fraction`` and ``rho_max`` from ``round_pull``; with ``None`` there the consensus's own value
-    counts.
+    """Every knob of a run: the consensus's in ``consensus`` (:class:`ConsensusConfig`, whose defaults are the
+    recipe), the application's here. The trainer's schedule is in epochs: ``local_steps`` comes from
+    ``local_epochs`` unless asked for.
 
-    :meth:`from_flat` builds one from the command line's flat names (``--rho1``, ``--freeze-round auto``, ...)
+    :meth:`from_flat` builds one from the command line's flat names (``--rho1``, ``--freeze-round 0``, ...)
     and :meth:`as_dict` writes it back flat."""
     model: str = "resnet18"
     dataset: str = "cifar10"
@@ -116,18 +72,9 @@ class TrainConfig:
     image_size: Optional[int] = None
     augment: Optional[str] = None              # train-time augmentation: cifar | shift | none (None: the dataset's)
     method: str = "prunex"
-    consensus: ConsensusConfig = field(default_factory=lambda: RECIPE)
+    consensus: ConsensusConfig = field(default_factory=ConsensusConfig)
     epochs: float = 10
     local_epochs: Optional[float] = 1.0        # epochs of local steps per round (None: consensus.local_steps)
-    freeze_fraction: Optional[float] = None          # masks freeze after this fraction of the planned rounds
-                                                     # (None: consensus.freeze_round, 1 in the recipe, or its
-                                                     # patience; --freeze-round auto: AUTO_FREEZE)
-    ramp_fraction: Optional[float] = None            # keep ratios ramp from 1 to their targets over this fraction
-                                                     # of the planned rounds (None: consensus.keep_ramp_rounds, 0
-                                                     # in the recipe)
-    release_fraction: Optional[float] = None         # ρ2 released after this fraction of the planned rounds
-                                                     # (None: consensus.rho2_release_round, None in the recipe:
-                                                     # never; --rho2-release-round auto: AUTO_RELEASE)
     batch_size: int = 128
     test_batch_size: int = 256
     lr: float = 0.05
@@ -136,8 +83,6 @@ class TrainConfig:
     nesterov: bool = False
     lr_schedule: str = "cosine"                # cosine | constant
     warmup_epochs: Optional[float] = None       # linear lr warm-up (None: auto, see warmup())
-    round_pull: Optional[float] = AUTO_ROUND_PULL   # consensus.rho_max from the round's length and the lr
-                                                    # (:meth:`rho_max`; None: consensus.rho_max as it is)
     topk_ratio: float = 0.01                   # topk: fraction of each layer's gradient sent per step
     topk_warmup_steps: int = 0                 # topk: dense steps first
     pactrain_score: str = "magnitude"          # pactrain: magnitude | grasp
@@ -161,36 +106,28 @@ class TrainConfig:
                                                # for the final model (0: the round's own statistics)
     threads: Optional[int] = None
     device: str = "auto"                       # auto: this rank's GPU (local rank) when CUDA is there, else cpu
-    progress: bool = True
+    progress: bool = True                      # a progress bar on rank 0, when its standard error is a terminal
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_flat(cls, **flat) -> "TrainConfig":
-        """From flat names, the command line's: the consensus's knobs go into ``consensus`` (on :data:`RECIPE`);
-        ``local_steps=N`` asks for N steps a round instead of ``local_epochs``; ``freeze_round`` is ``"auto"``
-        (:data:`AUTO_FREEZE` of the planned rounds), N or None (only the patience); ``keep_ramp_rounds`` is
-        ``"auto"`` (:data:`AUTO_RAMP` of the planned rounds) or N (0: no ramp); ``warmup_epochs`` is ``"auto"``
-        (None: :data:`AUTO_WARMUP_EPOCHS` for PruneX's methods, 0 for the others) or a number of epochs;
-        ``rho_max`` is ``"auto"`` (:data:`AUTO_ROUND_PULL`, :meth:`rho_max`) or a number."""
+        """From flat names, the command line's: the consensus's knobs go into ``consensus`` (on
+        :class:`ConsensusConfig`'s defaults, or :meth:`ConsensusConfig.paper`'s with ``paper=True``, which also
+        has no lr warm-up unless one is asked for); ``local_steps=N`` asks for N steps a round instead of
+        ``local_epochs``; ``warmup_epochs`` is ``"auto"`` (None: :data:`AUTO_WARMUP_EPOCHS` for PruneX's methods,
+        0 for the others) or a number of epochs."""
         if flat.get("warmup_epochs") == "auto":
             flat["warmup_epochs"] = None
+        paper = flat.pop("paper", False)
+        if paper and flat.get("warmup_epochs") is None:
+            flat["warmup_epochs"] = 0.0
+        base = ConsensusConfig.paper() if paper else ConsensusConfig()
         knobs = {k: flat.pop(k) for k in ConsensusConfig.knob_names() if k in flat}
         if knobs.get("local_steps", 0) is None:
             del knobs["local_steps"]   # not asked for: local_epochs decides
         elif "local_steps" in knobs:
             flat["local_epochs"] = None
-        for knob, fraction, auto in (("freeze_round", "freeze_fraction", AUTO_FREEZE),
-                                     ("keep_ramp_rounds", "ramp_fraction", AUTO_RAMP),
-                                     ("rho2_release_round", "release_fraction", AUTO_RELEASE),
-                                     ("rho_max", "round_pull", AUTO_ROUND_PULL)):
-            if knobs.get(knob) == "auto":
-                del knobs[knob]
-                flat[fraction] = auto
-                if knob == "freeze_round":   # not the recipe's start (0) meanwhile: a keep ramp may come with it
-                    knobs[knob] = None
-            elif knob in knobs:   # a number asked for counts, unless its rule is named too (as_dict's)
-                flat.setdefault(fraction, None)
-        return cls(consensus=ConsensusConfig.from_knobs(knobs, base=RECIPE, who="TrainConfig"), **flat)
+        return cls(consensus=ConsensusConfig.from_knobs(knobs, base=base, who="TrainConfig"), **flat)
 
     def as_dict(self) -> Dict[str, Any]:
         """Flat, as :meth:`from_flat` reads it (what ``config.json`` and the summary hold)."""
@@ -198,32 +135,12 @@ class TrainConfig:
         return dict(out, **copy.deepcopy(self.consensus.knobs()))
 
     def resolved(self, steps_per_epoch: int) -> "TrainConfig":
-        """The consensus with its schedule set from epochs: ``local_steps`` from ``local_epochs``,
-        ``freeze_round`` from ``freeze_fraction`` and ``keep_ramp_rounds`` from ``ramp_fraction`` of the planned
-        rounds, ``rho_max`` from ``round_pull`` (:meth:`rho_max`; each where it is not None); ``warmup_epochs``
-        None as the method's own (:meth:`warmup`)."""
+        """The schedule in steps: the consensus's ``local_steps`` from ``local_epochs`` (where it is not None), and
+        ``warmup_epochs`` None as the method's own (:meth:`warmup`)."""
         c = self.consensus
         local_steps = c.local_steps if self.local_epochs is None else max(1, round(self.local_epochs * steps_per_epoch))
-        rounds = math.ceil(max(1, round(self.epochs * steps_per_epoch)) / local_steps)
-        freeze_round = c.freeze_round if self.freeze_fraction is None else \
-            max(1, math.floor(rounds * self.freeze_fraction + 1e-9))
-        ramp = c.keep_ramp_rounds if self.ramp_fraction is None else math.floor(rounds * self.ramp_fraction + 1e-9)
-        release = c.rho2_release_round if self.release_fraction is None else \
-            max(1, math.floor(rounds * self.release_fraction + 1e-9))
         return dataclasses.replace(self, warmup_epochs=self.warmup(),
-                                   consensus=dataclasses.replace(c, local_steps=local_steps, freeze_round=freeze_round,
-                                                                 keep_ramp_rounds=ramp, rho2_release_round=release,
-                                                                 rho_max=self.rho_max(local_steps)))
-
-    def rho_max(self, local_steps: int) -> float:
-        """The cap of the balanced ρ's: ``consensus.rho_max``, or with ``round_pull`` (``--rho-max auto``)
-        round_pull·(1 − momentum)/(lr·local_steps), the ρ at which a round's steps would pull θ back
-        ``round_pull`` times its distance to the anchor (:data:`AUTO_ROUND_PULL`); never below the ρ's the run
-        starts from."""
-        c = self.consensus
-        if self.round_pull is None:
-            return c.rho_max
-        return max(self.round_pull * (1.0 - self.momentum) / (self.lr * local_steps), c.rho1, c.rho2, c.rho3 or 0.0)
+                                   consensus=dataclasses.replace(c, local_steps=local_steps))
 
     def warmup(self) -> float:
         """Epochs of linear lr warm-up: as asked, or with None (auto) :data:`AUTO_WARMUP_EPOCHS` for PruneX's
@@ -231,7 +148,7 @@ class TrainConfig:
         unchanged)."""
         if self.warmup_epochs is not None:
             return self.warmup_epochs
-        if self.method not in WARMED_UP_METHODS:
+        if self.method not in PRUNEX_METHODS:
             return 0.0
         return min(AUTO_WARMUP_EPOCHS, AUTO_WARMUP_MAX_FRACTION * self.epochs)
 
@@ -240,10 +157,9 @@ class TrainConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-        for name in ("local_epochs", "freeze_fraction", "ramp_fraction", "release_fraction", "round_pull"):
-            v = getattr(self, name)
-            if not (v is None or (isinstance(v, (int, float)) and math.isfinite(v) and v > 0)):
-                raise ValueError(f"{name} must be None or a finite number > 0, got {v!r}")
+        v = self.local_epochs
+        if not (v is None or (isinstance(v, (int, float)) and math.isfinite(v) and v > 0)):
+            raise ValueError(f"local_epochs must be None or a finite number > 0, got {v!r}")
         if not isinstance(self.consensus, ConsensusConfig):
             raise ValueError(f"consensus must be a ConsensusConfig, got {type(self.consensus).__name__}")
         for name in ("batch_size", "test_batch_size", "eval_every"):
@@ -263,7 +179,7 @@ class TrainConfig:
             raise ValueError(f"warmup_epochs must be None (auto) or a finite number >= 0, got {warmup!r}")
         if self.momentum < 0 or self.weight_decay < 0:
             raise ValueError("momentum and weight_decay must be >= 0")
-        if self.round_pull is not None and self.momentum >= 1:
+        if self.consensus.rho_max == "auto" and self.momentum >= 1 and self.method in PRUNEX_METHODS:
             raise ValueError(f"--rho-max auto caps rho by the lr and momentum's gain 1/(1 - momentum), which needs "
                              f"momentum < 1 (got {self.momentum!r}): pass --rho-max N")
         if self.checkpoint_every < 0:
@@ -278,10 +194,6 @@ class TrainConfig:
         if self.consensus.coupled and self.method not in PRUNEX_METHODS and not structured_pactrain:
             raise ValueError(f"--coupled is a PruneX option (prunex, prunex-flat; pactrain with --pactrain-structure "
                              f"structured), not one of {self.method!r}")
-        if self.consensus.sync_powersgd_rank and self.method not in PRUNEX_METHODS:
-            raise ValueError(f"--sync-powersgd-rank compresses PruneX's synchronous phase (prunex, prunex-flat); "
-                             f"{self.method!r} would run its phase with whole gradients: drop it, or use --method "
-                             f"prunex")
 
 
 def loss_diverges(loss: float, num_classes: int) -> bool:
@@ -291,6 +203,7 @@ def loss_diverges(loss: float, num_classes: int) -> bool:
 
 
 def _lr_factor(cfg: TrainConfig, steps_per_epoch: int):
+    """The scheduler's factor at each step: a linear warm-up, then cosine (or constant) to the end."""
     total = max(1, round(cfg.epochs * steps_per_epoch))
     warmup = round(cfg.warmup() * steps_per_epoch)
 
@@ -383,6 +296,23 @@ class _MetricsLog:
                 f.write(json.dumps(record) + "\n")
 
 
+# The settings removed from the run's config (benchmarks/log/removed-knobs.md) at the value that meant "off": a run's
+# config.json from before holds them all, and a resume or a --config of it means nothing else where they are off.
+REMOVED_OFF = {"relaxation": 1.0, "rho_growth": 1.0, "keep_ramp_rounds": 0, "rho2_release_round": None,
+               "acceleration": "none", "keep_start_norm": False, "sync_rounds": 0, "sync_powersgd_rank": 0,
+               "overlap_after_freeze": True, "overlap_steps": None, "weight_decay_z": 0.0, "budget_floor": 0.1,
+               "balance_rho2": True, "retrain": "admm", "masked_retrain": True, "compact_compute": True,
+               "freeze_fraction": None, "ramp_fraction": None, "release_fraction": None, "round_pull": 1.0}
+REMOVED_ANY = ("outer_momentum",)   # meant nothing without its knob (acceleration)
+
+
+def removed_settings(settings: Dict[str, Any]) -> List[str]:
+    """The removed settings in ``settings`` (a run's flat config) that were not off, as ``"name value"`` (a
+    ``round_pull`` of None is a ``rho_max`` number, which says the same)."""
+    return [f"{k} {v!r}" for k, v in settings.items()
+            if k in REMOVED_OFF and v != REMOVED_OFF[k] and not (k == "round_pull" and v is None)]
+
+
 # what only says how this launch runs, not what the job computes: free to change between a run's slices
 _LAUNCH_SETTINGS = frozenset({"out", "resume", "stop_after_rounds", "checkpoint_every", "threads", "timeout", "progress",
                               "data_dir"})
@@ -394,8 +324,9 @@ def changed_settings(began: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
     data, ranks, ...) and takes these, but a default that moved between versions (``freeze_round``) would
     otherwise change the run without a word."""
     now = json.loads(json.dumps(now))   # as config.json holds it (tuples as lists)
+    gone = set(REMOVED_OFF) | set(REMOVED_ANY)   # (removed_settings says which of those were on)
     return [f"{k} {began[k]!r} -> {now.get(k)!r}" for k in sorted(began)
-            if k not in _LAUNCH_SETTINGS and began[k] != now.get(k)]
+            if k not in _LAUNCH_SETTINGS and k not in gone and began[k] != now.get(k)]
 
 
 _BYTE_KEYS = ("inter_bytes", "intra_bytes", "dense_inter_bytes", "cross_rack_bytes")
@@ -435,7 +366,7 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                            device=device)
     test_loader = ShardedLoader(data, cfg.test_batch_size, rank, topo.size, seed=cfg.seed, train=False, device=device)
     steps_per_epoch = len(train_loader)
-    auto_warmup = cfg.warmup_epochs is None   # resolved() sets it; round_pull it leaves as it is
+    auto_warmup = cfg.warmup_epochs is None   # resolved() sets it
     cfg = cfg.resolved(steps_per_epoch)
     local_steps = cfg.consensus.local_steps
     total_steps = max(1, round(cfg.epochs * steps_per_epoch))
@@ -454,11 +385,6 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         logging.getLogger("prunex_hvd").info(
             "%s: the lr warms up linearly to %g over the first %g epoch(s) (--warmup-epochs auto; 0 turns it off)",
             cfg.method, cfg.lr, cfg.warmup_epochs)
-    if is_main and cfg.round_pull is not None and cfg.method in PRUNEX_METHODS:
-        logging.getLogger("prunex_hvd").info(
-            "%s: rho balanced up to %.3g (--rho-max auto: %g x (1 - momentum %g) / (lr %g x %d local steps), "
-            "not below the starting rho's; --rho-max N sets it)", cfg.method, cfg.consensus.rho_max, cfg.round_pull,
-            cfg.momentum, cfg.lr, local_steps)
 
     meta = {"model": cfg.model, "dataset": cfg.dataset, "method": cfg.method, "sparsity": str(cfg.consensus.sparsity),
             "coupled": cfg.consensus.coupled, "world_size": topo.size, "num_nodes": topo.num_nodes,
@@ -468,6 +394,10 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     step, wall_offset, resumed = 0, 0.0, False
     if cfg.resume:
         state = checkpoint.load(cfg.out, meta, rank, control)
+        gone = removed_settings(run_config(cfg.out) or {}) if is_main and state is not None else []
+        control.agree(f"{cfg.out} was started with {', '.join(gone)}, which this version no longer has "
+                      f"(benchmarks/log/removed-knobs.md): resume it with the version that started it"
+                      if gone else None, ValueError)
         if state is not None:
             model.load_state_dict(state["model"])   # copies into the tensors on `device`
             opt.load_state_dict(state["optimizer"])
@@ -510,7 +440,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
         return rec
 
     model.train()
-    bar = tqdm(total=total_steps, initial=step, disable=not (cfg.progress and is_main), unit="step",
+    bar = tqdm(total=total_steps, initial=step, disable=not (cfg.progress and is_main and sys.stderr.isatty()),
+               unit="step",
                dynamic_ncols=True, mininterval=0.5, desc=f"{cfg.method} {cfg.model}")
 
     def zero() -> Dict[str, Any]:   # summed on the device: no host sync per step

@@ -19,11 +19,6 @@ Each rank takes ``period`` steps of the user's optimizer on its own batches, the
   DiLoCo needs its lighthouse server and a fault-tolerance manager per replica group, which our launchers do
   not run; the outer loop here is those few lines around PyTorch's optimizer.
 
-``sync_rounds`` (each method; PruneX's knob of the same name): post-local SGD's synchronous phase (Lin et al.
-2020; PyTorch's ``post_localSGD_hook`` with the averagers' ``warmup_steps``). For the first ``sync_rounds``
-rounds every step's gradients are averaged over the world, so the ranks hold one model, and such a round only
-averages the float buffers (DiLoCo's global model takes the model, no outer step); the averaging starts after.
-
 In every round the float buffers (BatchNorm statistics) are averaged too, through the package's world group.
 The parameters travel by ``torch.distributed`` on the groups the package builds (gloo on CPU, nccl on CUDA),
 outside our communicators: each such allreduce is recorded in the ledger under the ring model, on the tier it
@@ -46,8 +41,7 @@ from torch.distributed.algorithms.model_averaging.hierarchical_model_averager im
 from ..dist import agreement, runtime, watchdog
 from ..dist.comm import groups as comm_groups
 from ..dist.comm.accounting import record_ring
-from .common import (MethodOptimizer, allreduce_gradients, average_buffers, broadcast_model, check_wrapping,
-                     flat_layout, mix_into)
+from .common import MethodOptimizer, average_buffers, broadcast_model, check_wrapping, mix_into
 
 
 def _integer(name: str, value, minimum: int = 1) -> None:
@@ -68,23 +62,15 @@ class _RoundAveraging(MethodOptimizer):
     records_per_epoch = False   # talks once a round: the trainer logs every round
     _tag = "rounds"
 
-    def _round_setup(self, model: torch.nn.Module, groups, period: int, sync_rounds: int) -> None:
+    def _round_setup(self, model: torch.nn.Module, groups, period: int) -> None:
         self._method_setup(model, groups.world)
         self._torch_world = groups.world   # torch.distributed: ``.pg`` is what PyTorch's averagers take
         self._period, self._rounds = period, 0
-        self._sync_steps = sync_rounds * period   # the synchronous phase's steps
-        self._grads = flat_layout(self._params, 32) if self._sync_steps and groups.world.size > 1 else None
         self._buffers = [b for b in model.buffers() if b.is_floating_point()]
         self._snapshot: Optional[List[torch.Tensor]] = None   # the last round's parameters and buffers
 
-    def _communicate(self) -> None:   # local steps: no gradient traffic after the synchronous phase
-        if self._grads is not None and self._steps < self._sync_steps:
-            with watchdog.waiting("the synchronous phase's gradient allreduce", world=True, transport=True):
-                allreduce_gradients(self._params, self._grads, self._world)
-
-    def _synchronous(self, step: int) -> bool:
-        """Whether the round closing after ``step`` steps is one of the synchronous phase's (none without one)."""
-        return self._sync_steps > 0 and step <= self._sync_steps
+    def _communicate(self) -> None:   # local steps: no gradient traffic
+        pass
 
     def _after_step(self) -> None:
         self._local_step_done(self._steps + 1)
@@ -98,18 +84,11 @@ class _RoundAveraging(MethodOptimizer):
         return self._close_round(self._steps)
 
     def _close_round(self, step: int) -> dict:
-        """The round after ``step`` steps. In the synchronous phase the ranks hold one model already: only the
-        buffers are averaged."""
+        """The round after ``step`` steps."""
         with self._traffic.measure(self._tag):
-            if self._synchronous(step):
-                self._take_synchronized()
-            else:
-                self._round()
+            self._round()
             self._average_buffers()
         return self._round_closed()
-
-    def _take_synchronized(self) -> None:
-        """A synchronous round's model is the ranks' own (DiLoCo's global model takes it)."""
 
     def _round_closed(self) -> dict:
         self._rounds += 1
@@ -187,13 +166,11 @@ class _RoundAveraging(MethodOptimizer):
 class _LocalSGD(_RoundAveraging):
     """Parameters averaged over the world every ``period`` steps by PyTorch's ``PeriodicModelAverager``."""
 
-    def __init__(self, params, model, groups, period, sync_rounds):
+    def __init__(self, params, model, groups, period):
         super(self.__class__, self).__init__(params)
-        self._round_setup(model, groups, period, sync_rounds)
-        # (it averages at warmup_steps, then every period: the round after the synchronous phase's)
+        self._round_setup(model, groups, period)
         self._averager = _started(averagers.PeriodicModelAverager(
-            period=period, warmup_steps=self._sync_steps + period if sync_rounds else 0,
-            process_group=groups.world.pg)) if groups.world.size > 1 else None
+            period=period, warmup_steps=0, process_group=groups.world.pg)) if groups.world.size > 1 else None
 
     def _local_step_done(self, step: int) -> None:
         t0 = time.perf_counter()
@@ -204,11 +181,7 @@ class _LocalSGD(_RoundAveraging):
             self._world_round_done(step, t0)
 
     def _world_round_done(self, step: int, t0: float) -> None:
-        """The averager averaged over the world: record it, average the buffers, keep the round's model. In the
-        synchronous phase it did not: the phase's own round."""
-        if self._synchronous(step):
-            self._close_round(step)
-            return
+        """The averager averaged over the world: record it, average the buffers, keep the round's model."""
         with self._traffic.measure(self._tag):
             self._record(self._params, self._torch_world, t0)
             self._average_buffers()
@@ -229,17 +202,15 @@ class _HierarchicalLocalSGD(_LocalSGD):
     """PyTorch's ``HierarchicalModelAverager``: the node's ranks every ``intra_period`` steps, the world
     every ``period``."""
 
-    def __init__(self, params, model, groups, period, intra_period, sync_rounds):
+    def __init__(self, params, model, groups, period, intra_period):
         super(self.__class__, self).__init__(params)   # the user's optimizer (see mix_into)
-        self._round_setup(model, groups, period, sync_rounds)
+        self._round_setup(model, groups, period)
         self._intra_period = intra_period
         world_size = groups.world.size
         levels = OrderedDict([(intra_period, groups.intra.size), (period, world_size)]) if intra_period < period \
             else OrderedDict([(period, world_size)])
-        # (it averages at multiples of its periods from warmup_steps on: after the synchronous phase's end)
         self._averager = _started(HierarchicalModelAverager(
-            levels, warmup_steps=self._sync_steps + 1 if sync_rounds else 0,
-            process_group=groups.world.pg)) if world_size > 1 else None
+            levels, warmup_steps=0, process_group=groups.world.pg)) if world_size > 1 else None
         self._node_group = groups.intra   # the same ranks as PyTorch's subgroup (checked at construction)
 
     def _local_step_done(self, step: int) -> None:
@@ -249,7 +220,7 @@ class _HierarchicalLocalSGD(_LocalSGD):
                 self._averager.average_parameters(self._params)
         if step % self._period == 0:
             self._world_round_done(step, t0)
-        elif step % self._intra_period == 0 and not self._synchronous(step):
+        elif step % self._intra_period == 0:
             with self._traffic.measure(self._tag):
                 self._record(self._params, self._node_group, t0)
 
@@ -258,9 +229,9 @@ class _DiLoCo(_RoundAveraging):
     """Inner steps with the user's optimizer, then an outer Nesterov SGD step on the averaged
     pseudo-gradient; every rank restarts from the new global parameters."""
 
-    def __init__(self, params, model, groups, period, outer_lr, outer_momentum, sync_rounds):
+    def __init__(self, params, model, groups, period, outer_lr, outer_momentum):
         super(self.__class__, self).__init__(params)
-        self._round_setup(model, groups, period, sync_rounds)
+        self._round_setup(model, groups, period)
         self._global = [p.detach().clone() for p in self._params]
         # torch refuses Nesterov without momentum; with none the two are the same step
         self._outer = torch.optim.SGD(self._global, lr=outer_lr, momentum=outer_momentum,
@@ -275,11 +246,6 @@ class _DiLoCo(_RoundAveraging):
             self._outer.step()
             for g, p in zip(self._global, self._params):
                 p.copy_(g)
-
-    def _take_synchronized(self) -> None:
-        with torch.no_grad():
-            for g, p in zip(self._global, self._params):
-                g.copy_(p.detach())
 
     def _round_params(self):
         return self._global
@@ -308,26 +274,23 @@ def _wrap(what: str, optimizer, model, backend, settings: Dict[str, Any], checks
 
 
 def LocalSGD(optimizer: torch.optim.Optimizer, model: torch.nn.Module, period: int = 100,
-             backend: Optional[str] = None, sync_rounds: int = 0):
+             backend: Optional[str] = None):
     """Local SGD: ``period`` steps of ``optimizer`` on each rank, then the parameters averaged over the world
     (PyTorch's ``PeriodicModelAverager``). Collective; rank 0's model is broadcast first.
 
     Arguments:
         period: steps between averaging rounds (the round period PruneX's ``local_steps`` sets).
         backend: the package's backend for ``init`` (the averaging itself runs on torch.distributed).
-        sync_rounds: rounds of post-local SGD's synchronous phase first (gradients averaged every step).
 
     Returns:
         The wrapped optimizer, with ``consensus()``, ``stats()`` and the harness interface."""
     def checks():
         _integer("period", period)
-        _integer("sync_rounds", sync_rounds, minimum=0)
-    return _wrap("the local SGD optimizer", optimizer, model, backend, {"period": period, "sync": sync_rounds},
-                 checks, _LocalSGD, period, sync_rounds)
+    return _wrap("the local SGD optimizer", optimizer, model, backend, {"period": period}, checks, _LocalSGD, period)
 
 
 def HierarchicalLocalSGD(optimizer: torch.optim.Optimizer, model: torch.nn.Module, period: int = 100,
-                         intra_period: Optional[int] = None, backend: Optional[str] = None, sync_rounds: int = 0):
+                         intra_period: Optional[int] = None, backend: Optional[str] = None):
     """Hierarchical local SGD: parameters averaged within each node every ``intra_period`` steps and over
     the world every ``period`` steps (PyTorch's ``HierarchicalModelAverager``). Collective.
 
@@ -336,7 +299,6 @@ def HierarchicalLocalSGD(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         intra_period: steps between node averaging (must divide ``period``; default: the largest divisor of
             ``period`` not above a quarter of it).
         backend: the package's backend for ``init``.
-        sync_rounds: rounds of post-local SGD's synchronous phase first (gradients averaged every step).
 
     Returns:
         The wrapped optimizer, with ``consensus()``, ``stats()`` and the harness interface."""
@@ -346,7 +308,6 @@ def HierarchicalLocalSGD(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     def checks():
         _integer("period", period)
         _integer("intra_period", intra_period)
-        _integer("sync_rounds", sync_rounds, minimum=0)
         if period % intra_period:
             raise ValueError(f"intra_period {intra_period} must divide period {period}")
         topo = runtime.topology()
@@ -356,12 +317,11 @@ def HierarchicalLocalSGD(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
                              f"HierarchicalModelAverager forms node groups from rank blocks); nodes here: "
                              f"{[list(r) for r in topo.node_ranks]}")
     return _wrap("the hierarchical local SGD optimizer", optimizer, model, backend,
-                 {"period": period, "intra_period": intra_period, "sync": sync_rounds}, checks,
-                 _HierarchicalLocalSGD, period, intra_period, sync_rounds)
+                 {"period": period, "intra_period": intra_period}, checks, _HierarchicalLocalSGD, period, intra_period)
 
 
 def DiLoCo(optimizer: torch.optim.Optimizer, model: torch.nn.Module, period: int = 100, outer_lr: float = 0.7,
-           outer_momentum: float = 0.9, backend: Optional[str] = None, sync_rounds: int = 0):
+           outer_momentum: float = 0.9, backend: Optional[str] = None):
     """DiLoCo: ``period`` inner steps of ``optimizer``, then an outer Nesterov SGD step
     (``outer_lr``, ``outer_momentum``) on the averaged pseudo-gradient. Collective.
 
@@ -370,18 +330,15 @@ def DiLoCo(optimizer: torch.optim.Optimizer, model: torch.nn.Module, period: int
         outer_lr, outer_momentum: the outer optimizer's (paper: 0.7 and 0.9); ``outer_lr=1``,
             ``outer_momentum=0`` is local SGD.
         backend: the package's backend for ``init``.
-        sync_rounds: rounds of post-local SGD's synchronous phase first (gradients averaged every step; the
-            outer optimizer starts after it).
 
     Returns:
         The wrapped optimizer, with ``consensus()``, ``stats()`` and the harness interface."""
     def checks():
         _integer("period", period)
-        _integer("sync_rounds", sync_rounds, minimum=0)
         if not (isinstance(outer_lr, (int, float)) and not isinstance(outer_lr, bool) and outer_lr > 0):
             raise ValueError(f"outer_lr must be a number > 0, got {outer_lr!r}")
         if not (isinstance(outer_momentum, (int, float)) and 0 <= outer_momentum < 1):
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
     return _wrap("the DiLoCo optimizer", optimizer, model, backend,
-                 {"period": period, "outer": (outer_lr, outer_momentum), "sync": sync_rounds}, checks, _DiLoCo,
-                 period, outer_lr, outer_momentum, sync_rounds)
+                 {"period": period, "outer": (outer_lr, outer_momentum)}, checks, _DiLoCo,
+                 period, outer_lr, outer_momentum)

@@ -1,7 +1,7 @@
 """Compute on the frozen structure only: a conv or linear whose weight is held on ``rows ⊗ cols`` multiplies its
 kept block, not the zeros around it.
 
-Once the masks freeze (``masked_retrain``), a structured weight ``W`` is zero outside its kept output rows ``R``
+Once the masks freeze (θ is then held on the structure), a structured weight ``W`` is zero outside its kept output rows ``R``
 and input channels ``C``. For a conv (a linear alike, channels on the last dim)
 
     conv(x, W) = scatter_R( conv(x[:, C], W[R][:, C]) )     (zeros, or the bias, on the rows outside R)

@@ -279,33 +279,6 @@ def channel_streams(model: nn.Module) -> List[Stream]:
     return sorted(streams)
 
 
-# normalisations whose output does not change when the layer before them is scaled by c > 0: BatchNorm and
-# InstanceNorm per channel (a bias of the layer cancels in their mean), GroupNorm and LayerNorm only over a layer
-# without bias
-_PER_CHANNEL_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
-_GROUP_NORMS = (nn.GroupNorm, nn.LayerNorm)
-
-
-def normalized_layers(model: nn.Module) -> List[str]:
-    """The conv and linear weights whose layer's output goes into a normalisation alone (BatchNorm, InstanceNorm;
-    GroupNorm or LayerNorm when the layer has no bias), in graph order: the model's output does not change when such
-    a weight is scaled by c > 0, only its effective learning rate (lr / |W|^2 under SGD). Raises ``ValueError``
-    when ``torch.fx`` cannot trace the model."""
-    graph, conv, _ = _trace(model)
-    used_once = _used_once(graph, model)
-    modules = dict(model.named_modules())
-    names = []
-    for node in graph.nodes:
-        layer = conv(node, linear=True)
-        if layer is None or not used_once(node) or len(node.users) != 1:
-            continue
-        user = next(iter(node.users))
-        norm = modules.get(user.target) if user.op == "call_module" else None
-        if isinstance(norm, _PER_CHANNEL_NORMS) or (isinstance(norm, _GROUP_NORMS) and layer.bias is None):
-            names.append(f"{node.target}.weight")
-    return names
-
-
 def structure_targets(model: nn.Module) -> "Targets":
     """What the kinds beyond convs can hold in ``model`` (:class:`~prunex_hvd.engine.sparsity.spec.Targets`):
     its linear weights, its MLP pairs (from the ``torch.fx`` walk; none when the model does not trace) and

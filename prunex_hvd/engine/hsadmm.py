@@ -14,31 +14,17 @@ Every rank of node i holds the same z_i, v_i and z; leaders (local rank 0) alone
     that cannot be trusted is refused on every rank before any state changes
  7. v_i += z_i − z,  u += θ − z_i; the float buffers take the round's average
  8. residuals (r/s intra, r/s inter) per layer; adaptive ρ with dual rescaling
- 9. masks frozen when stable, at exactly the requested structure (then θ trains on it: the retraining phase;
-    with ``retrain="average"`` the ρ's and duals drop to 0 there, and the later rounds' steps 2 and 7 are the
-    node's plain mean (admm.node_mean) and nothing: hierarchical local SGD of the pruned model)
-10. where the next round starts: with ``acceleration`` the extrapolated ẑ (and v̂) it leans on in place of z (and
-    v); with ``restart`` every rank's θ at the consensus (z or ẑ, or z_i)
+ 9. masks frozen when stable, at exactly the requested structure (then θ trains on it: the retraining phase)
+10. with ``restart="global"`` every rank's θ starts the next round at z
 
-The accelerations (docs/algorithm.md, "Accelerations"): ``relaxation`` α puts α·θ + (1 − α)·z_i (and
-α·z_i + (1 − α)·z) in place of θ (z_i) in the next tier's step and in the dual update; ``rho_growth`` multiplies
-every ρ each round; ``keep_ramp_rounds`` lowers the keep ratios from 1 to their targets over the first rounds;
-``acceleration`` extrapolates z (fast ADMM: and v) across rounds, and the next round leans on ẑ.
-
-``overlap``: a round stops after phase 4 has started the leaders' exchange; the next round (or the
-``overlap_steps``-th local step after it, ``complete()``, ``finalize()``; a mid-flight ``state_dict()`` for the wire
-alone) waits for it and runs phases 5–10, while the local steps in between pull toward the new z_i
+``overlap``: once the masks are frozen a round stops after phase 4 has started the leaders' exchange; the next
+round (or the ``overlap``-th local step after it, ``complete()``, ``finalize()``; a mid-flight ``state_dict()`` for
+the wire alone) waits for it and runs phases 5–10, while the local steps in between pull toward the new z_i
 (docs/algorithm.md, "Overlapped rounds").
 
 Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`HSADMM.add_proximal_grad`); with
 ``node_sync`` the node's ranks first average their gradients (:meth:`HSADMM.sync_node_grads`), so each node
 steps as one data-parallel worker.
-
-``sync_rounds``: the first rounds are post-local SGD's synchronous phase. Every step averages the gradients over
-the world and adds no proximal term, so the ranks hold one θ, and such a round only takes it as the consensus
-(z = z_i = θ, the duals 0) and averages the float buffers (:meth:`HSADMM._sync_round`; docs/algorithm.md, "A
-synchronous start"). With ``sync_powersgd_rank`` the leaders send each gradient matrix as PowerSGD's P and Q
-(:meth:`HSADMM._lowrank_exchange`, :mod:`prunex_hvd.engine.lowrank`).
 
 Residuals count both tiers as consensus ADMM does (:mod:`prunex_hvd.engine.admm`):
 s_intra = ρ1√(P·Σ_i‖Δz_i‖²), s_inter = ρ2√M‖Δz‖. With one node (or ``hierarchical=False``) there is no inter-node tier: z = z_i, r_inter is
@@ -58,13 +44,13 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
 from ..dist import watchdog
 from ..dist.comm.accounting import ledger as default_ledger, ring_cross_node_bytes
-from . import admm, compact_compute, dependencies, lowrank, sparsity
+from . import admm, compact_compute, sparsity
 from .buckets import BucketLayout
 from .config import PAYLOAD_DTYPES, ConsensusConfig, Structure
 
@@ -94,16 +80,6 @@ class Entry:
     t: Optional[torch.Tensor] = None       # w_r's dual against z
     rho3: float = 0.0                      # w_r's pull toward z
     ef_spine: Optional[torch.Tensor] = None   # three tiers, narrow payload: the rack leader's rounding error
-    z_hat: Optional[torch.Tensor] = None   # ``acceleration``: the extrapolated z the next round leans on
-    z_prev: Optional[torch.Tensor] = None  # the last round's z (not extrapolated)
-    v_prev: Optional[torch.Tensor] = None  # fast-admm: the last round's v (e.v holds the extrapolated v̂)
-    momentum_a: float = 1.0                # fast-admm: Nesterov's a_k (1: no momentum yet, or restarted)
-    combined: float = math.inf             # fast-admm: the last round's combined residual
-
-    @property
-    def anchor(self) -> torch.Tensor:
-        """The global consensus the round leans on: z, or with ``acceleration`` its extrapolation ẑ."""
-        return self.z if self.z_hat is None else self.z_hat
 
     def set_masks(self, rows: torch.Tensor, cols: torch.Tensor) -> None:
         self.rows, self.cols = rows, cols
@@ -126,7 +102,7 @@ class _InFlight:
     steps: Optional[int]
     nonfinite: List[bool]
     z_i: List[torch.Tensor]          # the node's new z_i
-    du: List[torch.Tensor]           # u's step, (relaxed) θ − z_i, θ as the round sent it
+    du: List[torch.Tensor]           # u's step, θ − z_i, θ as the round sent it
     theta_sq: List[torch.Tensor]     # ‖θ − z_i‖² per entry, the same θ
     masks_before: tuple              # put back if the round is refused
     layout: BucketLayout             # the compact buckets: the average, once received
@@ -137,19 +113,6 @@ class _InFlight:
     steps_since: int = 0             # local steps taken since it started (overlap_steps folds it in)
 
 
-@dataclass
-class _LowRank:
-    """``sync_powersgd_rank``'s state for one shape of what is sent (:mod:`prunex_hvd.engine.lowrank`), with the
-    buckets its two exchanges reuse every step."""
-    shapes: List[Tuple[int, int]]   # every entry's GEMM view as sent (the compact block once the masks froze)
-    low: List[int]                  # the entries sent as P and Q
-    whole: List[int]                # the others, sent whole beside the P's
-    qs: List[torch.Tensor]          # per low entry, cols × r, the same on every rank: the power iteration's start
-    errors: List[torch.Tensor]      # per low entry, rows × cols: the node's error memory (the same on its ranks)
-    first: BucketLayout             # the P's, then the whole tensors
-    second: BucketLayout            # the Q's
-
-
 NO_BYTES = {"inter": 0, "intra": 0, "inter_consensus": 0, "dense_inter": 0, "cross_rack": 0}
 
 
@@ -158,13 +121,17 @@ def _ranks(ranks: List[int]) -> str:
 
 
 class HSADMM:
-    """The consensus state of one rank and the round that updates it, under ``config`` (its knobs) on
-    ``structure`` (what they resolve to on the model; resolved here when not given). Transport comes from
-    ``groups`` (a :class:`prunex_hvd.dist.comm.Groups`); the math from :mod:`prunex_hvd.engine.admm` and
+    """The consensus state of one rank and the round that updates it, under ``config`` (its knobs, ``rho_max`` a
+    number: :meth:`ConsensusConfig.with_rho_max_from` resolves ``"auto"``) on ``structure`` (what they resolve to
+    on the model; resolved here when not given). Transport comes from ``groups`` (a
+    :class:`prunex_hvd.dist.comm.Groups`); the math from :mod:`prunex_hvd.engine.admm` and
     :mod:`prunex_hvd.engine.sparsity`."""
 
     def __init__(self, model: torch.nn.Module, topo, groups, config: ConsensusConfig,
                  structure: Optional[Structure] = None, ledger=None):
+        if config.rho_max == "auto":
+            raise ValueError("rho_max='auto' is derived from the optimizer's lr and momentum, which the engine does "
+                             "not see: pass config.with_rho_max_from(lr, momentum), or a number")
         self.topo, self.groups, self.config = topo, groups, config
         structure = structure or Structure.resolve(model, config)
         self.couplings = dict(structure.couplings)   # {consumer conv: producer conv}, pruned as one channel group
@@ -192,8 +159,6 @@ class HSADMM:
         self.payload_dtype = PAYLOAD_DTYPES[config.payload_dtype] or self.dtype
         self.delta_coded = (self.inter_tier and config.payload_dtype is not None
                             and self.payload_dtype.itemsize < self.state_dtype.itemsize)
-        # momentum across rounds on the inter-node tier (one node, or none: nothing to accelerate)
-        self.acceleration = config.acceleration if self.inter_tier else "none"
         self._check_rack_tier()
 
         self._broadcast_model(params)
@@ -207,9 +172,6 @@ class HSADMM:
                 e.w, e.t = theta.clone(), torch.zeros_like(theta)
                 e.rho3 = float(config.rho3 if config.rho3 is not None else config.rho2)
                 e.ef_spine = torch.zeros_like(theta) if self.delta_coded else None
-            if self.acceleration != "none":   # no move yet: ẑ = z
-                e.z_hat, e.z_prev = theta.clone(), theta.clone()
-                e.v_prev = torch.zeros_like(theta) if self.acceleration == "fast-admm" else None
             if e.structured:   # masks start all ones
                 c_out = theta.shape[0]
                 e.set_masks(torch.ones(c_out, dtype=torch.bool, device=self.device),
@@ -241,40 +203,34 @@ class HSADMM:
         self.bytes = dict(NO_BYTES)
         self._dense = self._layout([e.param.numel() for e in self.entries])
         self._grads: Optional[BucketLayout] = None   # node_sync's gradient buckets, made at the first step
-        self._lowrank: Optional[_LowRank] = None   # sync_powersgd_rank's state, made at the phase's first step
         self._compact: Optional[BucketLayout] = None
         self._gathers: Dict[int, tuple] = {}   # entry -> (its bucket rows with a zero row, gather index)
         self._gathers_of: Optional[BucketLayout] = None   # the layout they index
         self._support: Optional[List[torch.Tensor]] = None   # dense masks of the retraining phase
         # ``overlap``: the round whose inter-node exchange is in flight while the next local steps run
-        self.overlap = config.overlap and self.inter_tier
-        # the local step after which the round in flight is folded in (overlap_steps, default a quarter round)
-        self.fold_after = config.overlap_steps or max(1, config.local_steps // 4)
+        self.overlap = config.overlap_steps is not None and self.inter_tier
+        # the local step after which the round in flight is folded in
+        self.fold_after = config.overlap_steps or 0
         self._in_flight: Optional[_InFlight] = None
         self.exchange_wait_s = 0.0   # time ranks waited on the consensus exchange, all rounds
         if config.freeze_round == 0:   # masks chosen at the start: every round trains the pruned model
-            self._freeze_at_start(model)
+            self._freeze_at_start()
         else:
             self._refresh_prox()
 
     # -- set-up -----------------------------------------------------------------------------------------
     def _check_rack_tier(self) -> None:
-        """The three-tier round needs the backend's rack and spine groups, and does not have the overlapped
-        exchange or over-relaxation (each would need its own derivation per tier): those are refused on every
-        rank alike (topology and knobs agree)."""
+        """The three-tier round needs the backend's rack and spine groups, and has no overlapped exchange (it would
+        need its own fold per tier): refused on every rank alike (topology and knobs agree)."""
         if not self.rack_tier:
             return
         if (self.topo.is_leader and self.groups.rack is None) or (self.topo.is_rack_leader and self.groups.spine is None):
             raise RuntimeError(f"the {self.groups.backend} backend made no rack or spine group for rank "
                                f"{self.topo.rank}, a {'rack' if self.topo.is_rack_leader else 'node'} leader")
-        c = self.config
-        unsupported = [what for what, on in (("overlap=True", c.overlap),
-                                              (f"relaxation={c.relaxation!r}", c.relaxation != 1.0),
-                                              (f"acceleration={c.acceleration!r}", c.acceleration != "none")) if on]
-        if unsupported:
+        if self.config.overlap is not False:
             raise ValueError(f"the rack tier ({self.topo.num_racks} racks of {self.topo.nodes_per_rack} nodes) does "
-                             f"not support {', '.join(unsupported)} yet: turn {'it' if len(unsupported) == 1 else 'them'}"
-                             f" off, or set rack_tier=False (--no-rack-tier) for two tiers over all nodes")
+                             f"not support overlap={self.config.overlap!r}: turn it off, or set rack_tier=False "
+                             f"for two tiers over all nodes")
 
     def _tree_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """Combine ``tensor`` over the whole hierarchy and hand the result to every rank (collective): the
@@ -300,14 +256,10 @@ class HSADMM:
     def _refresh_prox(self) -> None:
         """Cache ρ1(u − z_i) and group entries by ρ1, so a step is two fused foreach adds per group. A half
         precision model caches z_i − u instead (see :meth:`add_proximal_grad`). With a round in flight
-        (``overlap``) the steps already pull toward its z_i, with its u (u + (θ − z_i)), at the ρ1 they had. An
-        entry with ρ1 = 0 (``retrain="average"`` once frozen) adds nothing and caches nothing."""
+        (``overlap``) the steps already pull toward its z_i, with its u (u + (θ − z_i)), at the ρ1 they had."""
         f, same = self._in_flight, self.state_dtype == self.dtype
         self._shift = []
         for k, e in enumerate(self.entries):   # one new tensor each: u + du is formed in it (the fold's u, bitwise)
-            if e.rho1 == 0.0:
-                self._shift.append(None)
-                continue
             z_i = e.z_i if f is None else f.z_i[k]
             if f is None:
                 shift = (e.u - z_i).mul_(e.rho1) if same else z_i - e.u
@@ -321,7 +273,7 @@ class HSADMM:
         if self._shift_on_structure:
             support = dict(zip(map(id, self.structured), self._retrain_support()))
             for e, shift in zip(self.entries, self._shift):
-                if shift is not None and id(e) in support:
+                if id(e) in support:
                     shift.mul_(support[id(e)])
         groups: Dict[float, List[int]] = {}
         for k, e in enumerate(self.entries):
@@ -329,17 +281,8 @@ class HSADMM:
         self._prox_groups = list(groups.items())
 
     @property
-    def syncing(self) -> bool:
-        """Whether this round is in the synchronous phase (``sync_rounds``): gradients averaged over the world
-        every step, no proximal term, the round only takes θ as the consensus."""
-        return self.round < self.config.sync_rounds and not self.finalized
-
-    @property
     def syncs_node_grads(self) -> bool:
-        """Whether :meth:`sync_node_grads` averages anything this step: ``node_sync`` on a node of more than one
-        rank, or the synchronous phase on more than one rank."""
-        if self.syncing:
-            return self.topo.size > 1
+        """Whether :meth:`sync_node_grads` averages anything: ``node_sync`` on a node of more than one rank."""
         return self.config.node_sync and self.topo.local_size > 1
 
     def sync_node_grads(self) -> None:
@@ -348,17 +291,11 @@ class HSADMM:
         same step: the node is one data-parallel worker. A parameter with no gradient on this rank counts as
         zero in the mean, and gets the mean when that is not zero (so the node's ranks step it alike).
 
-        In the synchronous phase (``sync_rounds``) the node's mean then goes on to the leaders, who average it
-        over the nodes and hand it back to their node (:meth:`_tree_`): every rank steps on the world's mean, as
-        under Horovod, whether or not ``node_sync`` is on; with ``sync_powersgd_rank``, on PowerSGD's low-rank
-        mean of the nodes' means (:meth:`_lowrank_exchange`).
-
-        Once the masks are frozen (``masked_retrain``) only each structured weight's kept block travels: the
-        pruned entries' gradients are masked right after anyway, so they come back 0 without being sent, and
-        the node's links carry the pruned model (half of ResNet-18's gradient at ``channel:0.5``)."""
+        Once the masks are frozen only each structured weight's kept block travels: the pruned entries'
+        gradients are masked right after anyway, so they come back 0 without being sent, and the node's links
+        carry the pruned model (half of ResNet-18's gradient at ``channel:0.5``)."""
         if not self.syncs_node_grads:
             return
-        world = self.syncing and self.inter_tier
         compact = self._retraining_masked
         if self._grads is None:   # made again at the freeze (and on a load)
             self._grads = BucketLayout([e.compact_numel() if compact else e.param.numel() for e in self.entries],
@@ -375,13 +312,6 @@ class HSADMM:
         with self.ledger.tagged("node-sync"):
             for buf in self._grads.buffers:
                 self.groups.intra.allreduce_(buf, "avg")
-        if world:   # the nodes' means averaged across nodes, back down each node
-            with self.ledger.tagged("sync-phase"):
-                if self.config.sync_powersgd_rank:
-                    self._lowrank_exchange(compact)
-                else:
-                    for buf in self._grads.buffers:
-                        self._tree_(buf, "avg")
         self._count_traffic(before)
         for k, e in enumerate(self.entries):
             mean = self._grads.views[k]
@@ -394,84 +324,20 @@ class HSADMM:
             else:
                 e.param.grad.copy_(mean.view_as(e.param))
 
-    def _lowrank_exchange(self, compact: bool) -> None:
-        """The synchronous phase's inter-node mean at rank r (``sync_powersgd_rank``): PowerSGD with error feedback,
-        steps 1–4 of :mod:`prunex_hvd.engine.lowrank`, on the node means in ``self._grads``. Each matrix's P, then
-        its Q, travel the hierarchy (one collective per bucket each); a tensor rank r would not shrink twofold
-        travels whole with the P's. Every rank of a node computes alike, so the node's ranks keep the same error
-        memory; Q is the same everywhere (drawn from the entry's index, then the nodes' mean)."""
-        r = self.config.sync_powersgd_rank
-        shapes = self._sent_shapes(compact)
-        if self._lowrank is None or self._lowrank.shapes != shapes:   # the first step, or the freeze changed them
-            self._lowrank = self._new_lowrank(shapes)
-        state, views = self._lowrank, self._grads.views
-        first, second, n = state.first, state.second, len(state.low)
-        # 1. M_i + e_i (in the state's dtype), 2. P_i = M_i Q, with the whole tensors
-        mats = [views[k].view(shapes[k]).to(self.state_dtype).add_(err) for k, err in zip(state.low, state.errors)]
-        for j, (mat, q) in enumerate(zip(mats, state.qs)):
-            lowrank.project(mat, q, out=first.views[j].view(-1, r))
-        for j, k in enumerate(state.whole, start=n):
-            first.views[j].copy_(views[k])
-        for buf in first.buffers:
-            self._tree_(buf, "avg")
-        for j, k in enumerate(state.whole, start=n):
-            views[k].copy_(first.views[j])
-        ps = [lowrank.orthonormalize_(first.views[j].view(-1, r)) for j in range(n)]
-        # 3. Q_i = M_iᵀ P, the nodes' mean
-        for j, (mat, p) in enumerate(zip(mats, ps)):
-            lowrank.back_project(mat, p, out=second.views[j].view(-1, r))
-        for buf in second.buffers:
-            self._tree_(buf, "avg")
-        # 4. M̂ = P Qᵀ (every node's), e_i = M_i − M̂; Q kept for the next step
-        for j, (k, mat, p, q, err) in enumerate(zip(state.low, mats, ps, state.qs, state.errors)):
-            q.copy_(second.views[j].view(-1, r))
-            views[k].view(shapes[k]).copy_(lowrank.reconstruct_(mat, p, q, err))
-
-    def _sent_shapes(self, compact: bool) -> List[Tuple[int, int]]:
-        """Each entry's gradient as the synchronous phase sends it, in its GEMM view: the kept block once the masks
-        are frozen (``compact``), else the whole parameter."""
-        return [(len(e.row_idx), len(e.col_idx)) if compact and e.structured else lowrank.matrix_shape(e.param.shape)
-                for e in self.entries]
-
-    def _new_lowrank(self, shapes: List[Tuple[int, int]], saved: Optional[dict] = None) -> _LowRank:
-        """``sync_powersgd_rank``'s state for ``shapes``: Q drawn from each entry's index and the error memory at 0,
-        or both from a checkpoint's ``saved`` (refused, on every rank, if saved at another rank)."""
-        r = self.config.sync_powersgd_rank
-        low = [k for k, (rows, cols) in enumerate(shapes) if lowrank.compressible(rows, cols, r)]
-        if saved is None:
-            qs = [lowrank.initial_q(shapes[k][1], r, seed=k, dtype=self.state_dtype, device=self.device) for k in low]
-            errors = [torch.zeros(shapes[k], dtype=self.state_dtype, device=self.device) for k in low]
-        else:
-            ranks = {int(s["q"].shape[1]) for s in saved.values()}
-            if not r or sorted(saved) != sorted(self.entries[k].name for k in low) or (ranks and ranks != {r}):
-                raise ValueError(f"engine state: saved in the synchronous phase with sync_powersgd_rank="
-                                 f"{sorted(ranks)[0] if ranks else 'a rank'}, resumed with {r}: resume with the same "
-                                 f"rank (its error memory is state)")
-            qs, errors = ([saved[self.entries[k].name][key].to(self.device, self.state_dtype).clone() for k in low]
-                          for key in ("q", "error"))
-        sent_low = set(low)
-        whole = [k for k in range(len(shapes)) if k not in sent_low]
-        return _LowRank(shapes, low, whole, qs, errors,
-                        first=BucketLayout([shapes[k][0] * r for k in low] + [math.prod(shapes[k]) for k in whole],
-                                           self.state_dtype, self.device, self.bucket_bytes),
-                        second=BucketLayout([shapes[k][1] * r for k in low], self.state_dtype, self.device,
-                                            self.bucket_bytes))
-
     @property
     def _retraining_masked(self) -> bool:
-        """θ is held on the frozen structure (``masked_retrain`` after the freeze): its pruned entries stay 0."""
-        return self.frozen and self.config.masked_retrain and bool(self.structured)
+        """θ is held on the frozen structure (the retraining phase, after the freeze): its pruned entries stay 0."""
+        return self.frozen and bool(self.structured)
 
     def add_proximal_grad(self, grads_on_structure: bool = False) -> None:
         """grad += ρ1(θ − z_i + u): the gradient of the intra-node penalty (Eq. 8). Once frozen the result is
         masked to the structure, a pass over every structured gradient; ``grads_on_structure`` says the gradients
         are zero outside it already (``node_sync``'s compact average, recovered in this very step, as
         :meth:`prunex_hvd.DistributedOptimizer.step` does), and with θ on it (``compact_compute`` on) the pass is
-        skipped: every term is zero there. The synchronous phase (``sync_rounds``) adds no proximal term: the
-        ranks' θ is the consensus already."""
-        for rho1, ks in ([] if self.syncing else self._prox_groups):
+        skipped: every term is zero there."""
+        for rho1, ks in self._prox_groups:
             live = [k for k in ks if self.entries[k].param.grad is not None]
-            if not live or rho1 == 0.0:   # (retrain="average": no penalty once the masks froze)
+            if not live:
                 continue
             grads = [self.entries[k].param.grad for k in live]
             thetas = [self.entries[k].param.detach() for k in live]
@@ -506,18 +372,18 @@ class HSADMM:
                 self.complete()
 
     def _set_compact_compute(self, afresh: bool = False, on_structure: bool = False) -> None:
-        """``compact_compute``: each structured conv and linear multiplies only its kept block while θ is on the
-        frozen structure. Exact: θ is zero outside each block. Checked after every round (and fold), which can
-        leave θ off it (``restart="none"`` at the freeze; an overlapped fold moving θ by z − θ_sent with a θ_sent
-        from before the masking); the layers then multiply in full until the next step masks θ
-        (:meth:`after_step`, ``on_structure``: no check needed). Plain layers before the freeze and after
+        """Each structured conv and linear multiplies only its kept block while θ is on the frozen structure
+        (:mod:`prunex_hvd.engine.compact_compute`). Exact: θ is zero outside each block. Checked after every round
+        (and fold), which can leave θ off it (``restart="none"`` at the freeze; an overlapped fold moving θ by
+        z − θ_sent with a θ_sent from before the masking); the layers then multiply in full until the next step
+        masks θ (:meth:`after_step`, ``on_structure``: no check needed). Plain layers before the freeze and after
         :meth:`finalize`. Decided from the engine's state and θ alone, so a resumed run switches where the
         uninterrupted one did (``afresh``: decided again, as by a new engine)."""
         if afresh:
             for _, layer in self._layers:
                 compact_compute.compute_in_full(layer)
             self._computing_compact = False
-        on = self._retraining_masked and self.config.compact_compute and not self.finalized
+        on = self._retraining_masked and not self.finalized
         if on and not on_structure:
             with torch.no_grad():
                 on = all(torch.equal(sparsity.apply_masks(e.param, e.rows, e.cols), e.param) for e, _ in self._layers)
@@ -545,24 +411,16 @@ class HSADMM:
             raise RuntimeError("consensus round after finalize(): finalize() ends training (the model now holds "
                                "the consensus z); to evaluate the consensus mid-run use consensus_weights()")
         with watchdog.waiting(f"consensus round {self.round + 1}", world=True):
-            if self.syncing:
-                return self._sync_round(steps)
             if self.overlapping:
                 return self._overlapped_round(steps)
             return self._round(steps)
 
     @property
-    def averaging(self) -> bool:
-        """Whether rounds now average instead of running ADMM: ``retrain="average"`` once the masks froze
-        (docs/algorithm.md, "The retraining phase")."""
-        return self.frozen and self.config.retrain == "average"
-
-    @property
     def overlapping(self) -> bool:
-        """Whether rounds are overlapped now: with ``overlap``, from the first round, or once the masks are frozen
-        (``overlap_after_freeze``: before, each node's θ is far from the consensus and steps taken from it are
-        worth little once rebased onto z; docs/algorithm.md, "Overlapped rounds")."""
-        return self.overlap and not self.syncing and (self.frozen or not self.config.overlap_after_freeze)
+        """Whether rounds are overlapped now: with ``overlap``, once the masks are frozen (before, each node's θ is
+        far from the consensus and steps taken from it are worth little once rebased onto z; docs/algorithm.md,
+        "Overlapped rounds")."""
+        return self.overlap and self.frozen
 
     def _round(self, steps: Optional[int]) -> dict:
         """Algorithm 1 as its phases (numbered as in the module docstring and docs/algorithm.md)."""
@@ -577,11 +435,8 @@ class HSADMM:
                 for buf in layout.buffers:
                     self.groups.leaders_then_node_(buf, "avg", self.topo.num_nodes)
         wait = time.perf_counter() - t_wire
-        rho2_before, frozen_before = [e.rho2 for e in self.entries], self.frozen
-        residuals = self._settle(z_i_new, layout, nonfinite, steps, self._theta_sq(z_i_new), masks_before,
-                                 w_new=w_new)        # 5–9
-        self._extrapolate(*residuals, rho2_before, froze=self.frozen and not frozen_before)   # 10. where the next
-        self._restart()                               #     round starts: ẑ (acceleration), θ at the consensus
+        self._settle(z_i_new, layout, nonfinite, steps, self._theta_sq(z_i_new), masks_before, w_new=w_new)   # 5–9
+        self._restart()                               # 10. θ at the consensus
         self._set_compact_compute()
         return self._report(before, time.perf_counter() - t0, layout.total_numel, wait)
 
@@ -598,8 +453,7 @@ class HSADMM:
                 own_buffers: bool = False, w_new: Optional[List[torch.Tensor]] = None) -> None:
         """Phases 5–9 once the exchange has arrived in ``layout`` (``du``, ``own_buffers``: see
         :meth:`_update_duals`; ``w_new``: the racks' new w_r); a refused round puts the masks back and raises.
-        With ``du`` (overlap) the proximal cache already holds this round's u and z_i, and is kept unless ρ1 moved.
-        Returns the round's summed residual squares and the top tier's s² (:meth:`_verdict`)."""
+        With ``du`` (overlap) the proximal cache already holds this round's u and z_i, and is kept unless ρ1 moved."""
         z_new = self._recover(layout)                 # 5. recovery of z
         try:                                          # 6. verdict, from the job-wide residual sum
             totals, s_top_sq = self._verdict(z_i_new, z_new, nonfinite, steps, theta_sq, w_new)
@@ -613,72 +467,6 @@ class HSADMM:
             self._refresh_prox()
         self.round += 1
         self._maybe_freeze()                          # 9. freezing
-        return totals, s_top_sq
-
-    # -- the synchronous phase (docs/algorithm.md, "A synchronous start") -------------------------------
-    def _sync_round(self, steps: Optional[int]) -> dict:
-        """A round of the synchronous phase (``sync_rounds``). Every step averaged the gradients over the world,
-        so the ranks hold one θ and the consensus is θ itself:
-
-        1. the float buffers (each rank's own running statistics) averaged over the job as a round averages them,
-           the node's mean then the nodes' mean; with them every rank's round, step count and inf/NaN flags, so
-           the round is refused on every rank alike, as phase 6 refuses one;
-        2. z = z_i = θ (with racks w_r = θ), on the frozen structure once the masks are frozen (then θ too, as
-           after a freeze), every dual and error feedback at 0, ẑ = z: the state a new engine would start from at
-           θ, so the first ADMM round after the phase is round 1 from there; ρ held;
-        3. the masks freeze if this is ``freeze_round``, chosen from θ (no mask is computed before: the
-           patience does not count these rounds);
-        4. after the phase's last round, ``sync_powersgd_rank``'s error memory is dropped (what it still held
-           was never sent) with its Q."""
-        t0, before = time.perf_counter(), self.ledger.summary(by_op=False)
-        n = len(self.entries)
-        flat = torch.cat([b.reshape(-1) for _, b in self.buffers]) if self.buffers else \
-            torch.zeros(0, dtype=self.dtype, device=self.device)
-        where = [not bool(torch.isfinite(e.param.detach()).all()) for e in self.entries] + \
-            [not bool(torch.isfinite(flat).all())]
-        if flat.numel():   # (a model without float buffers: nothing to average; the same on every rank)
-            with self.ledger.tagged("sync-phase"):                     # 1.
-                self.groups.intra.allreduce_(flat, "avg")
-                self._tree_(flat, "avg")
-        summed = self._sum_over_job(torch.cat([self._who(steps, where).reshape(-1),
-                                               torch.tensor(where, dtype=torch.float64)]))
-        self._check_round(summed[:3 * self.topo.size].view(-1, 3), summed[3 * self.topo.size:],
-                          torch.zeros(n, 3, dtype=torch.float64), [0.0] * n)
-        offset = 0
-        for j, (_, b) in enumerate(self.buffers):
-            b.copy_(flat[offset: offset + b.numel()].view_as(b))
-            self._round_buffers[j].copy_(b)
-            offset += b.numel()
-        with torch.no_grad():                                          # 2.
-            for e in self.entries:
-                theta = e.param.detach().to(self.state_dtype)
-                e.z = sparsity.apply_masks(theta, e.rows, e.cols) if self.frozen and e.structured else theta.clone()
-                for state in (e.u, e.v, e.t, e.ef, e.ef_spine, e.v_prev):
-                    if state is not None:
-                        state.zero_()
-                if e.w is not None:
-                    e.w = e.z.clone()
-                if e.z_hat is not None:
-                    e.momentum_a, e.combined = 1.0, math.inf
-            for ef in self._buffer_ef + self._buffer_ef_spine:
-                ef.zero_()
-        self.round += 1
-        freeze = self.config.freeze_round                               # 3. (the masks from z = θ)
-        if not self.frozen and freeze is not None and self.round >= freeze:
-            self._freeze(refresh=False)
-        with torch.no_grad():                                          # 2. z_i = ẑ = z, once z is final
-            for e in self.entries:
-                if not (self.frozen and e.structured):   # (those, θ with them: _start_from_frozen_z)
-                    e.z_i = e.z.clone()
-                    if e.z_hat is not None:
-                        e.z_hat, e.z_prev = e.z.clone(), e.z.clone()
-        if self.frozen:
-            self._start_from_frozen_z()
-        if not self.syncing:                                           # 4.
-            self._lowrank = None
-        self._refresh_prox()
-        self._set_compact_compute()
-        return self._report(before, time.perf_counter() - t0, None, 0.0)
 
     # -- the overlapped round (docs/algorithm.md, "Overlapped rounds") ------------------------------------
     def _overlapped_round(self, steps: Optional[int]) -> dict:
@@ -689,8 +477,8 @@ class HSADMM:
         t0, before = time.perf_counter(), self.ledger.summary(by_op=False)
         wait = self._fold() if self._in_flight is not None else 0.0
         nonfinite, z_i_new, masks_before, layout = self._start()   # 1–4 (the mask OR blocks; it is small)
-        du = [self._relaxed_theta(e).sub(z) for e, z in zip(self.entries, z_i_new)]   # u's step, θ as sent
-        theta_sq = [admm.sq_norm(d) for d in du] if self.config.relaxation == 1.0 else self._theta_sq(z_i_new)
+        du = [e.param.detach().sub(z) for e, z in zip(self.entries, z_i_new)]   # u's step, θ as sent
+        theta_sq = [admm.sq_norm(d) for d in du]
         with self.ledger.tagged("consensus"):         # 4. the exchange starts; the node goes on stepping
             works = [self.groups.inter.allreduce_async_(buf, "avg") for buf in layout.buffers] \
                 if self.groups.inter is not None else []
@@ -720,8 +508,8 @@ class HSADMM:
 
     def _fold(self) -> float:
         """Phases 5–10 of the round in flight, as the blocking round runs them (the duals from θ as the round
-        sent it); θ, which went on stepping from where it was sent, moves by z − θ_sent (``restart="global"``;
-        z_i − θ_sent with ``"node"``): the restart, with the steps taken since kept on top."""
+        sent it); θ, which went on stepping from where it was sent, moves by z − θ_sent (``restart="global"``):
+        the restart, with the steps taken since kept on top."""
         f = self._in_flight
         wait = self._receive()
         self._in_flight, self._pending_ef = None, f.pending_ef
@@ -731,11 +519,10 @@ class HSADMM:
         except BaseException:   # refused: the committed state is the previous round's, so is the prox cache
             self._refresh_prox()
             raise
-        if f.theta_sent is not None:                  # 10. restart, late: θ += z − θ_sent (node: z_i − θ_sent)
+        if f.theta_sent is not None:                  # 10. restart, late: θ += z − θ_sent
             with torch.no_grad():
                 for e, sent in zip(self.entries, f.theta_sent):
-                    target = e.z if self.config.restart == "global" else e.z_i
-                    e.param.add_(sent.neg_().add_(target.to(e.param.dtype)))   # θ_sent is not needed again
+                    e.param.add_(sent.neg_().add_(e.z.to(e.param.dtype)))   # θ_sent is not needed again
         self._set_compact_compute()
         return wait
 
@@ -753,11 +540,9 @@ class HSADMM:
     def _intra_sum(self) -> List[bool]:
         """Phase 1: θ + u (and the float buffers) into the dense buckets, summed over the node. Returns this
         rank's own inf/NaN flags, looked for before the sum mixes them in (or a pruned entry hides them)."""
-        n, alpha = len(self.entries), self.config.relaxation
+        n = len(self.entries)
         for k, e in enumerate(self.entries):
-            if alpha != 1.0:   # over-relaxed: α·θ + (1 − α)·z_i in place of θ, formed in the state's dtype
-                self._dense.views[k].copy_(self._relaxed_theta(e).add_(e.u).reshape(-1))
-            elif self.state_dtype == self.dtype:
+            if self.state_dtype == self.dtype:
                 torch.add(e.param.detach().reshape(-1), e.u.reshape(-1), out=self._dense.views[k])
             else:   # added in float32, rounded once to the payload
                 self._dense.views[k].copy_(e.param.detach().reshape(-1)).add_(e.u.reshape(-1))
@@ -772,11 +557,9 @@ class HSADMM:
     def _node_candidates(self) -> List[torch.Tensor]:
         """Phase 2: the exact argmin in z_i of every entry (every rank of the node computes the same); with racks
         z_i's consensus above it is its rack's w_r, not z."""
-        P, M = self.topo.local_size, self.topo.num_nodes
-        if self.averaging:   # retrain="average": the penalties are gone, z_i is the node's mean of θ
-            return [admm.node_mean(self._dense.views[k].view_as(e.z), P, e.z.dtype) for k, e in enumerate(self.entries)]
-        return [admm.node_candidate(self._dense.views[k].view_as(e.z), e.w if self.rack_tier else e.anchor, e.v,
-                                    e.rho1, e.rho2, P, M, self.config.weight_decay_z)
+        P = self.topo.local_size
+        return [admm.node_candidate(self._dense.views[k].view_as(e.z), e.w if self.rack_tier else e.z, e.v,
+                                    e.rho1, e.rho2, P)
                 for k, e in enumerate(self.entries)]
 
     def _project(self, z_i_new: List[torch.Tensor]) -> None:
@@ -784,8 +567,7 @@ class HSADMM:
         frozen, the frozen masks alone."""
         structured_ks = [k for k, e in enumerate(self.entries) if e.structured]
         if not self.frozen:
-            local = self._masks({self.entries[k].name: z_i_new[k] for k in structured_ks},
-                                extra=sparsity.ramp_extra(self.round + 1, self.config.keep_ramp_rounds))
+            local = self._masks({self.entries[k].name: z_i_new[k] for k in structured_ks})
             for k, (rows, cols) in zip(structured_ks, local):
                 z_i_new[k] = sparsity.apply_masks(z_i_new[k], rows, cols)
             self._sync_masks(local)
@@ -804,8 +586,8 @@ class HSADMM:
         layout = self._compact_layout()
         self._pending_ef = []
         if self.topo.is_leader or not self.inter_tier:
-            for k, e in enumerate(self.entries):   # (over-relaxed: α·z_i + (1 − α)·z in place of z_i)
-                c = self._relaxed_node(z_i_new[k], e) + e.v
+            for k, e in enumerate(self.entries):
+                c = z_i_new[k] + e.v
                 if self.delta_coded:   # one pass
                     c = self._delta(c, e.w if self.rack_tier else e.z, e.ef, e, self._pending_ef)
                 else:
@@ -841,8 +623,7 @@ class HSADMM:
         w_new = []                                    # (b) the rack candidate, the same on every rank of the rack
         sums = self._recover(layout, [e.w * N for e in self.entries] if self.delta_coded else None)
         for e, rack_sum in zip(self.entries, sums):
-            w = admm.node_mean(rack_sum, N, e.z.dtype) if self.averaging else \
-                admm.rack_candidate(rack_sum, e.z, e.t, e.rho2, e.rho3, N)
+            w = admm.rack_candidate(rack_sum, e.z, e.t, e.rho2, e.rho3, N)
             w_new.append(sparsity.apply_masks(w, e.rows, e.cols) if e.structured else w)
         if self.topo.is_rack_leader:                  # (c) w_r + t_r across the spine, compact
             for k, e in enumerate(self.entries):
@@ -921,7 +702,7 @@ class HSADMM:
                 local_sq[k, 1] = admm.dual_residual_sq(admm.sq_norm(z_i_new[k] - e.z_i), e.rho1, P)
                 local_sq[k, 2] = admm.sq_norm(z_i_new[k] - upper)
             if w_new is None:
-                s_inter_sq[k] = admm.dual_residual_sq(admm.sq_norm(z_new[k] - e.anchor), e.rho2, M)   # M copies of z
+                s_inter_sq[k] = admm.dual_residual_sq(admm.sq_norm(z_new[k] - e.z), e.rho2, M)   # M copies of z
                 continue
             if self.topo.is_rack_leader:   # rack-level terms: once per rack, the dual one for its N copies
                 local_sq[k, 3] = admm.dual_residual_sq(admm.sq_norm(w_new[k] - e.w), e.rho2, self.topo.nodes_per_rack)
@@ -950,15 +731,14 @@ class HSADMM:
         v_i += z_i − w_r and t_r += w_r − z; the new z_i (w_r) and z; the float buffers averaged in the round,
         kept (with z they are the consensus model) and taken by every rank, unless ``own_buffers`` (overlap: a
         rank's running statistics have followed its steps since it sent them, and keep doing so)."""
-        for k, e in enumerate(self.entries):   # (over-relaxed: the relaxed points of the round's steps)
-            if not self.averaging:   # retrain="average": no duals, they stay 0
-                admm.update_dual(e.v, self._relaxed_node(z_i_new[k], e), z_new[k] if w_new is None else w_new[k])
-                if du is None:
-                    admm.update_dual(e.u, self._relaxed_theta(e), z_i_new[k])
-                else:
-                    e.u.add_(du[k])
-                if w_new is not None:
-                    admm.update_dual(e.t, w_new[k], z_new[k])
+        for k, e in enumerate(self.entries):
+            admm.update_dual(e.v, z_i_new[k], z_new[k] if w_new is None else w_new[k])
+            if du is None:
+                admm.update_dual(e.u, e.param.detach(), z_i_new[k])
+            else:
+                e.u.add_(du[k])
+            if w_new is not None:
+                admm.update_dual(e.t, w_new[k], z_new[k])
             if w_new is not None:
                 e.w = w_new[k]
             e.z_i, e.z = z_i_new[k], z_new[k]
@@ -978,30 +758,12 @@ class HSADMM:
                 ef.copy_(new)
         self._pending_ef = self._pending_ef_spine = None
 
-    def _relaxed_theta(self, e: Entry) -> torch.Tensor:
-        """What the z_i-step and u's update see of θ: α·θ + (1 − α)·z_i, with this round's old z_i (θ itself at
-        α = 1, not a copy)."""
-        alpha = self.config.relaxation
-        return e.param.detach() if alpha == 1.0 else admm.relax(e.param.detach(), e.z_i, alpha)
-
-    def _relaxed_node(self, z_i_new: torch.Tensor, e: Entry) -> torch.Tensor:
-        """What the z-step and v's update see of the node's new z_i: α·z_i + (1 − α)·z, z the round leaned on (ẑ
-        with ``acceleration``; z_i itself at α = 1)."""
-        alpha = self.config.relaxation
-        return z_i_new if alpha == 1.0 else admm.relax(z_i_new, e.anchor, alpha)
-
     def _adapt_rho(self, totals: torch.Tensor, s_top_sq: List[float]) -> None:
-        """Phase 8: per-layer residuals; residual balancing of ρ1 (and of ρ2 where there is an inter-node tier, ρ3
-        where there are racks), then the ``rho_growth`` schedule; from ``rho2_release_round`` on, ρ2 and ρ3 are
-        released instead (halved back toward their start, :func:`admm.release_rho`); the scaled duals rescaled
-        with them (the caller refreshes the proximal cache)."""
+        """Phase 8: per-layer residuals; with ``adaptive_rho``, residual balancing of ρ1 (and of ρ2 where there is an
+        inter-node tier, ρ3 where there are racks), the scaled duals rescaled with them (the caller refreshes the
+        proximal cache)."""
         changed = []
         c = self.config
-        released = c.rho2_release_round is not None and self.round + 1 >= c.rho2_release_round
-        if released and self.round + 1 == c.rho2_release_round and self.topo.rank == 0 and not self.averaging \
-                and self.inter_tier and (c.adaptive_rho or c.rho_growth != 1.0):
-            log.info("round %d: rho2 released (rho2_release_round): it halves each round back to %g", self.round + 1,
-                     c.rho2)
         for k, e in enumerate(self.entries):
             # with racks ρ2's tier is nodes against their rack, then ρ3's racks against z (r_spine, s_spine)
             r_intra, s_intra, r_inter, s_inter, *spine = admm.residual_norms(*totals[k].tolist(), s_top_sq[k])
@@ -1011,28 +773,18 @@ class HSADMM:
                 e.residuals.update(r_inter=r_inter, s_inter=s_inter)
             if self.rack_tier:
                 e.residuals.update(r_spine=r_spine, s_spine=s_spine)
-            if (c.adaptive_rho or c.rho_growth != 1.0) and not self.averaging:
-                rho1, rho2, rho3 = e.rho1, e.rho2, e.rho3
-                if c.adaptive_rho:
-                    rho1 = admm.adapt_rho(rho1, r_intra, s_intra, c.rho_max)
-                    if c.balance_rho2 and not released:
-                        rho2 = admm.adapt_rho(rho2, r_inter, s_inter, c.rho_max) if self.inter_tier else rho2
-                        rho3 = admm.adapt_rho(rho3, r_spine, s_spine, c.rho_max) if self.rack_tier else rho3
-                    changed += [f"{e.name} {which} {old:.3g}->{new:.3g}" for which, old, new in
-                                (("rho1", e.rho1, rho1), ("rho2", e.rho2, rho2), ("rho3", e.rho3, rho3))
-                                if new != old]
-                rho1 = admm.grow_rho(rho1, c.rho_growth, c.rho_max)   # the schedule: not logged, it is known
-                if released:   # the release replaces balancing and growth on the tiers above the node
-                    rho2 = admm.release_rho(rho2, c.rho2) if self.inter_tier else rho2
-                    rho3 = admm.release_rho(rho3, c.rho3 or c.rho2) if self.rack_tier else rho3
-                else:
-                    rho2 = admm.grow_rho(rho2, c.rho_growth, c.rho_max) if self.inter_tier else rho2
-                    rho3 = admm.grow_rho(rho3, c.rho_growth, c.rho_max) if self.rack_tier else rho3
-                admm.rescale_dual(e.u, e.rho1, rho1)
-                admm.rescale_dual(e.v, e.rho2, rho2)
-                if self.rack_tier:
-                    admm.rescale_dual(e.t, e.rho3, rho3)
-                e.rho1, e.rho2, e.rho3 = rho1, rho2, rho3
+            if not c.adaptive_rho:
+                continue
+            rho1 = admm.adapt_rho(e.rho1, r_intra, s_intra, c.rho_max)
+            rho2 = admm.adapt_rho(e.rho2, r_inter, s_inter, c.rho_max) if self.inter_tier else e.rho2
+            rho3 = admm.adapt_rho(e.rho3, r_spine, s_spine, c.rho_max) if self.rack_tier else e.rho3
+            changed += [f"{e.name} {which} {old:.3g}->{new:.3g}" for which, old, new in
+                        (("rho1", e.rho1, rho1), ("rho2", e.rho2, rho2), ("rho3", e.rho3, rho3)) if new != old]
+            admm.rescale_dual(e.u, e.rho1, rho1)
+            admm.rescale_dual(e.v, e.rho2, rho2)
+            if self.rack_tier:
+                admm.rescale_dual(e.t, e.rho3, rho3)
+            e.rho1, e.rho2, e.rho3 = rho1, rho2, rho3
         if changed and self.topo.rank == 0:
             shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
             log.info("round %d: rho changed %d time(s): %s", self.round + 1, len(changed), shown)
@@ -1041,59 +793,20 @@ class HSADMM:
         """Phase 9: freeze after ``freeze_round`` rounds or ``freeze_patience`` rounds without a mask change."""
         if not self.frozen:
             self.stable_rounds = self.stable_rounds + 1 if self.mask_drift == 0 else 0
-            ramping = self.round < self.config.keep_ramp_rounds   # the keep ratios have not reached their targets
-            if not ramping and ((self.config.freeze_round is not None and self.round >= self.config.freeze_round)
-                                or self.stable_rounds >= self.config.freeze_patience):
+            if (self.config.freeze_round is not None and self.round >= self.config.freeze_round) \
+                    or self.stable_rounds >= self.config.freeze_patience:
                 self._freeze()
 
-    def _extrapolate(self, totals: torch.Tensor, s_top_sq: List[float], rho2_before: List[float],
-                     froze: bool) -> None:
-        """Phase 10, ``acceleration`` (docs/algorithm.md, "Accelerations"): the point the next round leans on, in
-        place of z (in the node candidate, the relaxed z_i, s_inter and the restart), on the global support:
-
-            ẑ = z + γ·(z − z_prev)                   (``"nesterov"``: γ = ``outer_momentum``)
-            ẑ, v̂ = z + γ_k·(z − z_prev), v + γ_k·(v − v_prev)   (``"fast-admm"``, v̂ then is the dual)
-
-        Fast ADMM (Goldstein et al. 2014, Alg. 8) takes γ_k from Nesterov's sequence (:func:`admm.momentum_weight`)
-        while the combined residual c = ρ2·r_inter² + s_inter²/ρ2 falls below η× the last round's, and restarts
-        (a = 1, so γ = 0 for two rounds) when it does not, when ρ2 changed (the scaled dual's metric moved), or
-        when the masks froze. Restarting drops the momentum only: the paper's restart also goes back one
-        iterate, which in training would throw a round's steps away. Every input is the same on every rank."""
-        if self.acceleration == "none":
-            return
-        gammas = []
-        for k, e in enumerate(self.entries):
-            if self.acceleration == "nesterov":
-                gamma = self.config.outer_momentum
-            else:
-                rho2 = rho2_before[k]
-                c = admm.combined_residual(float(totals[k, 2]), s_top_sq[k], rho2)
-                if froze or e.rho2 != rho2 or not c < admm.RESTART_ETA * e.combined:
-                    e.momentum_a, gamma = 1.0, 0.0
-                else:
-                    e.momentum_a, gamma = admm.momentum_weight(e.momentum_a)
-                e.combined = c
-                v_hat = admm.extrapolate(e.v, e.v_prev, gamma)
-                e.v_prev, e.v = e.v, v_hat
-            gammas.append(gamma)
-            z_hat = admm.extrapolate(e.z, e.z_prev, gamma)
-            e.z_hat = sparsity.apply_masks(z_hat, e.rows, e.cols) if e.structured else z_hat
-            e.z_prev = e.z.clone()   # (e.z itself is written in place by load_state_dict and finalize)
-        if self.topo.rank == 0:
-            moving = [g for g in gammas if g > 0]
-            log.info("round %d: %s momentum on %d of %d tensors (mean gamma %.2f)", self.round, self.acceleration,
-                     len(moving), len(gammas), sum(moving) / len(moving) if moving else 0.0)
-
     def _restart(self) -> None:
-        """Phase 10 (``restart``): θ of every rank starts the next round's local steps at the consensus, z
-        (``"global"``) or its node's z_i (``"node"``), as local SGD restarts from the average. Only where the
-        θ-step's inexact solve begins changes: its objective f(θ) + ρ1/2‖θ − z_i + u‖², and so u, keep their
-        meaning. Once frozen with ``masked_retrain``, z is on the structure, so θ is too."""
+        """Phase 10 (``restart="global"``): θ of every rank starts the next round's local steps at the consensus z,
+        as local SGD restarts from the average. Only where the θ-step's inexact solve begins changes: its
+        objective f(θ) + ρ1/2‖θ − z_i + u‖², and so u, keep their meaning. Once frozen, z is on the structure, so θ
+        is too."""
         if self.config.restart == "none":
             return
         with torch.no_grad():
-            for e in self.entries:   # (with acceleration, the extrapolated ẑ: the point the round leans on)
-                e.param.copy_(e.anchor if self.config.restart == "global" else e.z_i)
+            for e in self.entries:
+                e.param.copy_(e.z)
 
     def _freeze(self, refresh: bool = True) -> None:
         """Masks stop moving. The OR of the nodes' masks may keep more than was asked, so the frozen structure
@@ -1107,70 +820,25 @@ class HSADMM:
                 e.w = sparsity.apply_masks(e.w, e.rows, e.cols)
         self._compact = self._support = self._grads = None
         self.frozen = True
-        if self.averaging:   # retrain="average": the penalties and the duals go, for the rest of the run
-            for e in self.entries:
-                e.rho1 = e.rho2 = e.rho3 = 0.0
-                for dual in (e.u, e.v, e.t):
-                    if dual is not None:
-                        dual.zero_()
         if refresh:
-            self._refresh_prox()   # the shift cut to the structure (and none with retrain="average")
+            self._refresh_prox()   # the shift cut to the structure
         if self.topo.rank == 0:
             when = f"round {self.round}: masks frozen" if self.round else \
                 "masks chosen from the start weights and frozen before the first step (freeze_round=0)"
-            log.info("%s, density %.3f of the structured weights%s", when, self.density(),
-                     "; from now on the rounds average (retrain='average')" if self.averaging else "")
+            log.info("%s, density %.3f of the structured weights", when, self.density())
 
-    def _freeze_at_start(self, model: torch.nn.Module) -> None:
+    def _freeze_at_start(self) -> None:
         """``freeze_round=0``: the masks are Π_S's support on the start point θ0, the same on every rank after the
-        broadcast (so chosen with no collective), frozen before any step; z = z_i = Π_S(θ0), the duals at 0, ρ as
-        configured, and θ = Π_S(θ0) too unless neither ``masked_retrain`` nor a restart would move it (then it
-        stays θ0, as after a later freeze). The rounds are then those after a freeze from the first (docs/algorithm.md, "Masks
-        chosen at the start")."""
+        broadcast (so chosen with no collective), frozen before any step; z = z_i = θ = Π_S(θ0), the duals at 0, ρ
+        as configured. The rounds are then those after a freeze from the first (docs/algorithm.md, "Masks chosen
+        at the start")."""
         self._freeze(refresh=False)
-        if self.config.keep_start_norm:
-            self._keep_start_norm(set(dependencies.normalized_layers(model)))
-        self._start_from_frozen_z()
-        self._refresh_prox()
-        self._set_compact_compute()
-
-    def _keep_start_norm(self, normalized: Set[str]) -> None:
-        """``keep_start_norm``: z ← z · ‖θ0‖ / ‖Π_S(θ0)‖ for each structured weight whose output a normalisation
-        takes alone (:func:`~prunex_hvd.engine.dependencies.normalized_layers`). The model computes the same
-        function; under SGD such a weight moves by lr / ‖W‖² in angle, and the projection keeps a fraction κ of
-        its squared norm (about K per layer at ``channel:K``; 0.23–0.37 for the convs one channel budget cuts on
-        the ResNets measured; ~93% for the largest half of single weights), so unscaled the pruned layers start at
-        1/κ times the unpruned layer's effective lr. θ0 = the broadcast start."""
-        scaled = []
-        with torch.no_grad():
-            for e in self.structured:
-                if e.name not in normalized:
-                    continue
-                kept = float(e.z.double().norm())
-                if kept > 0:
-                    factor = float(e.param.detach().double().norm()) / kept
-                    e.z.mul_(factor)
-                    scaled.append(factor)
-        if self.topo.rank == 0:
-            if scaled:
-                log.info("keep_start_norm: %d of %d pruned weights scaled back to their initial norm (x%.2f to "
-                         "x%.2f)", len(scaled), len(self.structured), min(scaled), max(scaled))
-            else:
-                log.warning("keep_start_norm: no pruned weight's output goes into a normalisation alone "
-                            "(BatchNorm, InstanceNorm; GroupNorm or LayerNorm after a layer without bias), so "
-                            "nothing was scaled")
-
-    def _start_from_frozen_z(self) -> None:
-        """Where the steps start after the freeze at the start, and after a round of the synchronous phase once
-        frozen: z_i (and ẑ) at the masked z, and θ too unless neither ``masked_retrain`` nor a restart would move
-        it."""
         with torch.no_grad():
             for e in self.structured:
                 e.z_i = e.z.clone()
-                if e.z_hat is not None:
-                    e.z_hat, e.z_prev = e.z.clone(), e.z.clone()
-                if self.config.masked_retrain or self.config.restart != "none":
-                    e.param.copy_(e.z)
+                e.param.copy_(e.z)
+        self._refresh_prox()
+        self._set_compact_compute()
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _nonfinite(self) -> List[bool]:
@@ -1238,13 +906,13 @@ class HSADMM:
         for e, (rows, cols, row_idx, col_idx, plan) in zip(self.structured, masks):
             e.rows, e.cols, e.row_idx, e.col_idx, e.plan = rows, cols, row_idx, col_idx, plan
 
-    def _masks(self, weights: Dict[str, torch.Tensor], extra: float = 0.0) -> List[tuple]:
+    def _masks(self, weights: Dict[str, torch.Tensor]) -> List[tuple]:
         """Π_S's support for every structured entry (in ``self.structured`` order), coupled channel groups
         (pairs, residual streams) pruned together, the channels of ``budget_layers`` from one budget across them
-        (``channel_budget="global"``); ``extra`` > 0 loosens every keep ratio (the keep ramp)."""
-        specs = {e.name: sparsity.loosened(e.spec, extra) for e in self.structured}
-        channels = sparsity.budget_channels(weights, {n: specs[n] for n in self.budget_layers},
-                                            self.config.budget_floor) if self.budget_layers else None
+        (``channel_budget="global"``)."""
+        specs = {e.name: e.spec for e in self.structured}
+        channels = sparsity.budget_channels(weights, {n: specs[n] for n in self.budget_layers}) \
+            if self.budget_layers else None
         masks = sparsity.coupled_masks(weights, specs, self.couplings, self.streams, self.heads, channels)
         return [masks[e.name] for e in self.structured]
 
@@ -1427,7 +1095,7 @@ class HSADMM:
     def _committed_state(self) -> dict:
         return {
             "round": self.round, "frozen": self.frozen, "stable_rounds": self.stable_rounds,
-            "mask_drift": self.mask_drift, "bytes": dict(self.bytes), "averaging": self.averaging,
+            "mask_drift": self.mask_drift, "bytes": dict(self.bytes),
             "entries": {e.name: {"u": e.u.clone(), "z_i": e.z_i.clone(), "v": e.v.clone(), "z": e.z.clone(),
                                  "rho1": e.rho1, "rho2": e.rho2, "residuals": dict(e.residuals),
                                  "rows": None if e.rows is None else e.rows.clone(),
@@ -1435,27 +1103,22 @@ class HSADMM:
                                  "ef": None if e.ef is None else e.ef.clone(),
                                  **({"w": e.w.clone(), "t": e.t.clone(), "rho3": e.rho3,
                                      "ef_spine": None if e.ef_spine is None else e.ef_spine.clone()}
-                                    if e.w is not None else {}),
-                                 **({"z_hat": e.z_hat.clone(), "z_prev": e.z_prev.clone(),
-                                     "v_prev": None if e.v_prev is None else e.v_prev.clone(),
-                                     "momentum_a": e.momentum_a, "combined": e.combined}
-                                    if e.z_hat is not None else {})}
+                                    if e.w is not None else {})}
                         for e in self.entries},
             "round_buffers": {name: b.clone() for (name, _), b in zip(self.buffers, self._round_buffers)},
             "buffer_ef": {name: ef.clone() for (name, _), ef in zip(self.buffers, self._buffer_ef)},
             "buffer_ef_spine": {name: ef.clone() for (name, _), ef in zip(self.buffers, self._buffer_ef_spine)},
-            "sync_lowrank": None if self._lowrank is None else
-            {self.entries[k].name: {"q": q.clone(), "error": err.clone()}
-             for k, q, err in zip(self._lowrank.low, self._lowrank.qs, self._lowrank.errors)},
         }
 
     def load_state_dict(self, sd: dict) -> None:
         names = [e.name for e in self.entries]
-        averaging = bool(sd.get("averaging", False))   # (older checkpoints: ADMM throughout)
-        if bool(sd["frozen"]) and averaging != (self.config.retrain == "average"):
-            raise ValueError(f"engine state: saved after the masks froze with retrain="
-                             f"{'average' if averaging else 'admm'!r}, resumed with retrain={self.config.retrain!r}: "
-                             f"the retraining phase's duals and ρ are that setting's, resume with the same retrain")
+        removed = [what for what, saved in (("retrain='average'", sd.get("averaging")),
+                                            ("sync_powersgd_rank", sd.get("sync_lowrank")),
+                                            ("acceleration", any("z_hat" in s for s in sd["entries"].values())))
+                   if saved]
+        if removed:   # a checkpoint of an earlier version, in a mode it no longer has
+            raise ValueError(f"engine state: saved with {', '.join(removed)}, which this version no longer has "
+                             f"(benchmarks/log/removed-knobs.md): resume it with the version that saved it")
         if sorted(sd["entries"]) != sorted(names):
             missing = sorted(set(names) - set(sd["entries"]))
             extra = sorted(set(sd["entries"]) - set(names))
@@ -1468,15 +1131,8 @@ class HSADMM:
                 raise ValueError(f"engine state: saved {'with' if 'w' in s else 'without'} the rack tier, resumed "
                                  f"{'with' if self.rack_tier else 'without'} it: resume on the same racks "
                                  f"(nodes_per_rack) and rack_tier setting")
-            saved_as = "none" if "z_hat" not in s else "nesterov" if s["v_prev"] is None else "fast-admm"
-            if saved_as != self.acceleration:
-                raise ValueError(f"engine state: saved with acceleration={saved_as!r}, resumed with "
-                                 f"{self.acceleration!r}: resume with the same acceleration (its momentum is state)")
-            for key in ("u", "z_i", "v", "z") + (("w", "t") if self.rack_tier else ()) + \
-                    (("z_hat", "z_prev") if e.z_hat is not None else ()) + (("v_prev",) if e.v_prev is not None else ()):
+            for key in ("u", "z_i", "v", "z") + (("w", "t") if self.rack_tier else ()):
                 getattr(e, key).copy_(s[key])
-            if e.z_hat is not None:
-                e.momentum_a, e.combined = float(s["momentum_a"]), float(s["combined"])
             if self.rack_tier:
                 e.rho3 = float(s["rho3"])
             if e.ef_spine is not None:
@@ -1499,9 +1155,6 @@ class HSADMM:
         for (name, _), ef in zip(self.buffers, self._buffer_ef_spine):
             ef.copy_(saved_ef[name] if name in saved_ef else torch.zeros_like(ef))
         self._compact = self._support = self._grads = None
-        lowrank_saved = sd.get("sync_lowrank")   # Q and the error memory, saved in the synchronous phase
-        self._lowrank = None if lowrank_saved is None else \
-            self._new_lowrank(self._sent_shapes(self._retraining_masked), lowrank_saved)
         self._in_flight = None
         if sd.get("in_flight") is not None:
             if not self.overlap:

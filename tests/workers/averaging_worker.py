@@ -8,10 +8,8 @@ asks for one more round (``consensus()``, as the trainer does for a last, short 
 every step all ranks' parameters and buffers are gathered to rank 0 over the launcher's control plane (never
 through the accounted groups), and rank 0 holds W copies of the model stepping on the same batches:
 ``period`` steps of SGD, then the method's round in plain torch (means over ranks; a node's ranks for the
-hierarchical one's node period; DiLoCo's outer Nesterov step on the mean pseudo-gradient). With
-``--sync-rounds N`` the first N rounds are post-local SGD's synchronous phase: every step on the mean of the W
-gradients, such a round only the buffers' mean (DiLoCo's global model takes the model). Writes OUT/rank{R}.json
-with each method's stats and ledger."""
+hierarchical one's node period; DiLoCo's outer Nesterov step on the mean pseudo-gradient). Writes
+OUT/rank{R}.json with each method's stats and ledger."""
 import argparse
 import copy
 
@@ -57,8 +55,8 @@ def mean_into(models, which):
 class Reference:
     """W copies of the model, each with its own SGD, and the method's round in plain torch."""
 
-    def __init__(self, method, start, node_ranks, sync_rounds):
-        self.method, self.node_ranks, self.sync_steps = method, node_ranks, sync_rounds * PERIOD
+    def __init__(self, method, start, node_ranks):
+        self.method, self.node_ranks = method, node_ranks
         self.models = [copy.deepcopy(start) for _ in range(sum(len(n) for n in node_ranks))]
         self.opts = [sgd(m) for m in self.models]
         self.gens = [torch.Generator().manual_seed(100 + r) for r in range(len(self.models))]
@@ -67,33 +65,19 @@ class Reference:
         self.snapshot = None
 
     def step(self, step):
-        synchronous = step <= self.sync_steps
         for m, o, g in zip(self.models, self.opts, self.gens):
             x, y = batch(g)
             o.zero_grad()
             nn.functional.cross_entropy(m(x), y).backward()
-        if synchronous:   # every model steps on the mean gradient
-            with torch.no_grad():
-                for ps in zip(*(m.parameters() for m in self.models)):
-                    mean = torch.stack([p.grad for p in ps]).mean(0)
-                    for p in ps:
-                        p.grad.copy_(mean)
-        for o in self.opts:
             o.step()
         if step % PERIOD == 0:
-            self.round(synchronous)
-        elif self.method == "localsgd-hier" and step % INTRA == 0 and not synchronous:
+            self.round()
+        elif self.method == "localsgd-hier" and step % INTRA == 0:
             for ranks in self.node_ranks:
                 mean_into([self.models[r] for r in ranks], "params")
 
-    def round(self, synchronous=False):
+    def round(self):
         mean_into(self.models, "buffers")
-        if synchronous:   # one model already: DiLoCo's global model takes it
-            with torch.no_grad():
-                for g, p in zip(self.global_params, self.models[0].parameters()):
-                    g.copy_(p)
-            self.snapshot = state_of(self.models[0])
-            return
         mean_into(self.models, "params")
         if self.method == "diloco":
             with torch.no_grad():
@@ -107,15 +91,14 @@ class Reference:
         self.snapshot = state_of(self.models[0])
 
 
-def wrap(method, model, opt, backend, sync_rounds):
+def wrap(method, model, opt, backend):
     from prunex_hvd.baselines import averaging
     if method == "localsgd":
-        return averaging.LocalSGD(opt, model, period=PERIOD, backend=backend, sync_rounds=sync_rounds)
+        return averaging.LocalSGD(opt, model, period=PERIOD, backend=backend)
     if method == "localsgd-hier":
-        return averaging.HierarchicalLocalSGD(opt, model, period=PERIOD, intra_period=INTRA, backend=backend,
-                                              sync_rounds=sync_rounds)
+        return averaging.HierarchicalLocalSGD(opt, model, period=PERIOD, intra_period=INTRA, backend=backend)
     return averaging.DiLoCo(opt, model, period=PERIOD, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
-                            backend=backend, sync_rounds=sync_rounds)
+                            backend=backend)
 
 
 def close(got, want, what):
@@ -123,15 +106,15 @@ def close(got, want, what):
         worker_io.assert_close(a, b, f"{what} tensor {k}", rtol=1e-5, atol=1e-6)
 
 
-def run_method(px, control, topo, method, steps, backend, sync_rounds):
+def run_method(px, control, topo, method, steps, backend):
     model = make_model()
     if topo.rank != 0:   # different starting points: construction must broadcast rank 0's
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
-    opt = wrap(method, model, sgd(model), backend, sync_rounds)
+    opt = wrap(method, model, sgd(model), backend)
     px.comm.reset()
-    ref = Reference(method, model, topo.node_ranks, sync_rounds) if topo.rank == 0 else None
+    ref = Reference(method, model, topo.node_ranks) if topo.rank == 0 else None
     gen = torch.Generator().manual_seed(100 + topo.rank)
     checks = 0
     for step in range(1, steps + 1):
@@ -168,14 +151,13 @@ def main():
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--methods", default="localsgd,localsgd-hier,diloco")
     ap.add_argument("--steps", type=int, default=10)   # rounds after 4 and 8, a short one at 10
-    ap.add_argument("--sync-rounds", type=int, default=0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
     from prunex_hvd.dist.runtime import state
     topo = px.init(backend=a.backend)
     control = state()[1]
-    result = {m: run_method(px, control, topo, m, a.steps, a.backend, a.sync_rounds) for m in a.methods.split(",")}
+    result = {m: run_method(px, control, topo, m, a.steps, a.backend) for m in a.methods.split(",")}
     result["numels"] = {"params": sum(p.numel() for p in make_model().parameters()),
                         "buffers": sum(b.numel() for b in make_model().buffers() if b.is_floating_point())}
     worker_io.report(a.out, topo.rank, result, sum(r["checks"] for k, r in result.items() if k != "numels"))

@@ -17,6 +17,8 @@ import worker_io
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import engine_cases as cases  # noqa: E402
 
+COUPLED = {"pairs": True, "streams": "streams"}
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -26,27 +28,20 @@ def main():
     ap.add_argument("--local-steps", type=int, default=cases.LOCAL_STEPS)
     ap.add_argument("--freeze-round", type=int, default=cases.SETTINGS["freeze_round"])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--coupled", action="store_true")
-    ap.add_argument("--coupled-streams", dest="coupled", action="store_const", const="streams")
+    ap.add_argument("--coupled", nargs="?", const=True, default=False, type=lambda t: COUPLED[t],
+                    metavar="{pairs,streams}", help="coupled channel pruning (alone: pairs)")
     ap.add_argument("--model", default="chain", choices=("chain", "residual", "vit", "mha"))
     ap.add_argument("--node-sync", action="store_true", help="the node's ranks average gradients every step")
     ap.add_argument("--payload-dtype", default=None, choices=("bf16", "fp16"),
                     help="the inter-node exchange's payload: the rounded change since z, with error feedback")
-    ap.add_argument("--overlap", action="store_true",
-                    help="overlapped rounds: checked against the delayed math (engine_cases.check_overlapped_round)")
-    ap.add_argument("--overlap-steps", type=int, default=None, help="with --overlap: fold after this many steps")
-    ap.add_argument("--overlap-after-freeze", action="store_true",
-                    help="with --overlap: blocking rounds until the masks freeze (default here: every round)")
+    ap.add_argument("--overlap", nargs="?", const=True, default=False, type=int, metavar="N",
+                    help="rounds overlapped once the masks are frozen, folded in after N steps (alone: a quarter "
+                         "of local_steps, here at the next round); checked against the delayed math "
+                         "(engine_cases.check_overlapped_round), the rounds before the freeze as blocking ones")
     ap.add_argument("--amp-inf", default=None, metavar="RANK:STEP,...",
                     help="local steps under CPU autocast and a GradScaler, an inf in a gradient of RANK at STEP")
     ap.add_argument("--amp-pattern", default="scaler.step", choices=cases.AMP_PATTERNS,
                     help="with --amp-inf: the calls around the step (engine_cases.amp_step)")
-    ap.add_argument("--acceleration", default="none", choices=("none", "fast-admm", "nesterov"))
-    ap.add_argument("--fixed-rho", action="store_true", help="every rho held (fast ADMM's momentum then builds)")
-    ap.add_argument("--sync-rounds", type=int, default=0,
-                    help="the first rounds synchronous (every step on the world's mean gradient; z = θ there)")
-    ap.add_argument("--sync-powersgd-rank", type=int, default=0,
-                    help="the synchronous phase's inter-node gradient at this PowerSGD rank")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import prunex_hvd as px
@@ -57,13 +52,10 @@ def main():
         torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
     model = cases.make_model(a.model, topo.rank).to(a.device)
     spec = json.loads(a.sparsity) if a.sparsity.startswith("{") else a.sparsity
-    opt = px.DistributedOptimizer(cases.sgd(model), model, sparsity=spec, local_steps=10**6, backend=a.backend,
-                                  coupled=a.coupled, node_sync=a.node_sync, payload_dtype=a.payload_dtype,
-                                  overlap=a.overlap, overlap_steps=a.overlap_steps,
-                                  overlap_after_freeze=a.overlap_after_freeze, acceleration=a.acceleration,
-                                  sync_rounds=a.sync_rounds, sync_powersgd_rank=a.sync_powersgd_rank,
-                                  **dict(cases.SETTINGS, freeze_round=a.freeze_round,
-                                         adaptive_rho=not a.fixed_rho))
+    # the engine cases' round (each layer its own channel count, no lr warm-up) with this launch's knobs
+    opt = px.DistributedOptimizer(cases.sgd(model), model, cases.paper_config(freeze_round=a.freeze_round),
+                                  sparsity=spec, local_steps=10**6, backend=a.backend, coupled=a.coupled,
+                                  node_sync=a.node_sync, payload_dtype=a.payload_dtype, overlap=a.overlap)
     eng = opt._engine
     cases.assert_same_everywhere(control.allgather_object(cases.model_state(model)), "after construction")
     px.comm.reset()
@@ -89,10 +81,7 @@ def main():
         before = control.allgather_object(cases.snapshot(eng))
         reports.append(opt.consensus())
         after = control.allgather_object(cases.snapshot(eng))
-        if topo.rank == 0 and rnd < a.sync_rounds:   # one θ everywhere, taken as the consensus
-            cases.check_sync_round(rnd, before, after)
-            checks += len(after)
-        elif topo.rank == 0:
+        if topo.rank == 0:
             if a.node_sync:   # one θ per node: its ranks took the node's mean gradient every step
                 for ranks in topo.node_ranks:
                     cases.assert_same_everywhere([before[r]["theta"] for r in ranks], f"in a node before round {rnd}")

@@ -39,11 +39,11 @@ from .projection import (apply_masks, budget_channels, coupled_masks, coupled_pr
                          head_masks, head_scores, masks_to_indices, own_channel_layers, project, read_channels,
                          square_f32, stream_channels, stream_keep, structured_masks, support_mask)
 from .spec import (CONV_KINDS, DENSE, HEAD_KINDS, KINDS, LINEAR_KINDS, StructureSpec, Targets, check_layer_types,
-                   keep_count, loosened, parse_spec, ramp_extra, resolve_specs, stages_removing_nothing)
+                   keep_count, parse_spec, resolve_specs, stages_removing_nothing)
 
 __all__ = ["CONV_KINDS", "DENSE", "HEAD_KINDS", "KINDS", "LINEAR_KINDS", "GatherPlan", "KernelPlan", "Plan",
            "StructureSpec", "Targets", "apply_masks", "budget_channels", "check_layer_types", "coupled_masks",
            "coupled_project", "density", "gather_plan", "gemm_view", "head_masks", "head_scores", "keep_count",
-           "loosened", "masks_to_indices", "own_channel_layers", "parse_spec", "ramp_extra", "project", "read_channels",
+           "masks_to_indices", "own_channel_layers", "parse_spec", "project", "read_channels",
            "recover", "recover_gather", "resolve_specs", "shrink", "shrink_into", "square_f32",
            "stages_removing_nothing", "stream_channels", "stream_keep", "structured_masks", "support_mask"]

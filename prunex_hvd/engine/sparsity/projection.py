@@ -135,8 +135,11 @@ def own_channel_layers(specs: Mapping[str, "StructureSpec"], couplings: Mapping[
             and [kind for kind, _ in parse_spec(spec).parts] in (["channel"], ["feature"])]
 
 
+BUDGET_FLOOR = 0.1   # under one channel budget, every layer keeps at least this fraction of its input channels
+
+
 def budget_channels(weights: Mapping[str, Tensor], specs: Mapping[str, "StructureSpec"],
-                    floor: float) -> dict:
+                    floor: float = BUDGET_FLOOR) -> dict:
     """One budget of kept weights shared by every layer held to a plain ``channel:K`` (conv) or ``feature:K``
     (linear): ``{name: bool[C_in]}``, the input channels each keeps. Layers with other specs are not in it.
 
@@ -144,7 +147,8 @@ def budget_channels(weights: Mapping[str, Tensor], specs: Mapping[str, "Structur
     weights in one input channel of layer l. The projection onto {every layer channel-sparse, Σ kept weights
     ≤ B} keeps the channels of largest total squared norm under that budget, a knapsack; this is the greedy
     answer by density ‖W_l[:, c]‖² / m_l, the mean squared weight (not always the exact one): first each
-    layer's ``max(1, ceil(floor·C_l))`` densest (at most its ceil(K_l·C_l)), so no layer is cut off, then one
+    layer's ``max(1, ceil(floor·C_l))`` densest (at most its ceil(K_l·C_l); ``floor`` :data:`BUDGET_FLOOR`: binds on
+    neither ResNet measured, whose thinnest layers keep 22–31% of their channels), so no layer is cut off, then one
     ranking of all the other channels (ties: layer order, then lowest index), each kept if its weights fit in
     what the budget has left (one of a large layer that does not fit leaves the room to smaller ones after
     it). The total kept never exceeds the per-layer projection's; large layers of small weights give up

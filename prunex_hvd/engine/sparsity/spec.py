@@ -84,23 +84,6 @@ class StructureSpec:
 DENSE = StructureSpec(())
 
 
-def ramp_extra(round_no: int, ramp_rounds: int) -> float:
-    """The share of the pruned fraction still kept in round ``round_no`` (1-based) of a keep ramp over
-    ``ramp_rounds`` rounds: (1 − r/R)³ before round R, 0 from round R on (Zhu & Gupta 2017's cubic schedule, on
-    the keep ratio). R ≤ 1: no ramp."""
-    if round_no >= ramp_rounds:
-        return 0.0
-    return (1.0 - round_no / ramp_rounds) ** 3
-
-
-def loosened(spec: StructureSpec, extra: float) -> StructureSpec:
-    """``spec`` with every keep ratio K raised to K + (1 − K)·``extra`` (``extra`` in [0, 1]: 0 is ``spec``,
-    1 keeps everything): one step of a keep ramp."""
-    if extra == 0.0:
-        return spec
-    return StructureSpec(tuple((kind, min(1.0, keep + (1.0 - keep) * extra)) for kind, keep in spec.parts))
-
-
 def parse_spec(spec) -> StructureSpec:
     """``"filter:0.3+shape:0.8"`` → :class:`StructureSpec`, parts in the order filter → channel → shape.
 
