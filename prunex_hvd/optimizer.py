@@ -85,7 +85,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             found_inf = self._unscale() if scaled else None                              # (1)
             synced_here = not self._synchronized   # no user code between this average and the step
             if synced_here:                                                               # (2)
-                self._engine.sync_node_grads()
+                self._engine.sync_node_grads(steps=self._step_count_local)
             self._synchronized = False
             if scaled and self._engine.syncs_node_grads:   # the node's mean decides, whoever averaged it
                 found_inf = self._check_finite(1.0)
@@ -155,7 +155,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ``scaler.unscale_()`` and gradient clipping see the node's mean, as under DDP or Horovod; ``step()`` does
         not average them again. Without ``node_sync`` nothing travels per step and this does nothing."""
         if not self._synchronized:
-            self._engine.sync_node_grads()
+            self._engine.sync_node_grads(steps=self._step_count_local)
             self._synchronized = True
 
     @contextlib.contextmanager

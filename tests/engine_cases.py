@@ -500,7 +500,8 @@ def engine_stats(eng):
 def rank_result(eng, model, topo, reports, stats, ledger_summary):
     """One rank's result after ``finalize()``, JSON-ready; rank 0's also gets ``checks`` and ``ref_rounds``
     (from :func:`check_round`) before :func:`check_results` reads it."""
-    return {"rank": topo.rank, "topology": topo.as_dict(), "rack_tier": eng.rack_tier, "reports": reports,
+    return {"rank": topo.rank, "topology": topo.as_dict(), "rack_tier": eng.rack_tier,
+            "guarded": eng.syncs_node_grads, "reports": reports,
             "stats": stats,
             "ledger": ledger_summary,
             "compact": {e.name: [int(e.rows.sum()), int(e.cols.sum())] for e in eng.structured},
@@ -519,6 +520,12 @@ def rank_result(eng, model, topo, reports, stats, ledger_summary):
             "buffer_numel": sum(b.numel() for _, b in eng.buffers)}
 
 
+def guard_bytes(res, rounds):
+    """node_sync's guard at ``rounds`` rounds: each carries every rank's place and step count (two float64 a rank)
+    across the leaders; none without node_sync on nodes of more than one rank."""
+    return rounds * 2 * res["topology"]["size"] * 8 if res["guarded"] else 0
+
+
 def keep(k, n):
     return max(1, min(n, math.ceil(k * n - 1e-9)))
 
@@ -528,27 +535,29 @@ def ring_allreduce_bytes(payload, members):
     return 2 * (members - 1) * payload // members
 
 
-def check_rack_ledger(res, per_round, masks, residuals, mask_itemsize=1):
+def check_rack_ledger(res, per_round, masks, residuals, mask_itemsize=1, guard=0):
     """Three tiers: what one rank put on each tier's groups over the run, exactly. The node leaders sum the
     compact payload over their rack and pass z's payload down it; the rack leaders alone average it (and OR the
     masks, sum the residuals) across the spine, which is all that crosses racks; nobody uses the flat leaders'
     group. Every hop of a rack or spine group leaves its node (one member per node). ``masks``: the OR's bytes
-    (``mask_itemsize`` a value); the way down carries them as uint8."""
+    (``mask_itemsize`` a value); the way down carries them as uint8. ``guard``: node_sync's guard's bytes at the
+    rounds (:func:`guard_bytes`), up the tree and down the rack."""
     rank, topo, ledger = res["rank"], res["topology"], res["ledger"]
     consensus = sum(per_round)
     by_op = {tier: {op: v["payload_bytes"] for op, v in ledger[tier].get("by_op", {}).items()}
              for tier in ("rack", "spine")}
     assert ledger["inter"]["ops"] == 0, f"rank {rank}: the flat leaders' group was used"
     if topo["is_leader"]:
-        assert by_op["rack"] == {"allreduce[consensus]": consensus, "broadcast[consensus]": consensus,
-                                 "bor[masks]": masks, "broadcast[masks]": masks // mask_itemsize,
-                                 "allreduce[residuals]": residuals,
-                                 "broadcast[residuals]": residuals}, f"rank {rank}: {by_op['rack']}"
+        want = {"allreduce[consensus]": consensus, "broadcast[consensus]": consensus, "bor[masks]": masks,
+                "broadcast[masks]": masks // mask_itemsize, "allreduce[residuals]": residuals,
+                "broadcast[residuals]": residuals, "allreduce[guard]": guard, "broadcast[guard]": guard}
+        assert by_op["rack"] == {op: n for op, n in want.items() if n}, f"rank {rank}: {by_op['rack']}"
     else:
         assert ledger["rack"]["ops"] == 0, f"rank {rank}"
     if topo["is_rack_leader"]:
-        assert by_op["spine"] == {"allreduce[consensus]": consensus, "bor[masks]": masks,
-                                  "allreduce[residuals]": residuals}, f"rank {rank}"
+        want = {"allreduce[consensus]": consensus, "bor[masks]": masks, "allreduce[residuals]": residuals,
+                "allreduce[guard]": guard}
+        assert by_op["spine"] == {op: n for op, n in want.items() if n}, f"rank {rank}"
     else:
         assert ledger["spine"]["ops"] == 0 and ledger["total"]["cross_rack_bytes"] == 0, f"rank {rank}"
     for tier in ("rack", "spine"):
@@ -556,7 +565,7 @@ def check_rack_ledger(res, per_round, masks, residuals, mask_itemsize=1):
     assert ledger["total"]["cross_node_bytes"] == ledger["rack"]["wire_bytes"] + ledger["spine"]["wire_bytes"]
     assert ledger["total"]["cross_rack_bytes"] == ledger["spine"]["cross_rack_bytes"] == ledger["spine"]["wire_bytes"]
     if topo["num_racks"] == 2 and topo["is_rack_leader"]:   # two rack leaders: all of it crosses once
-        assert ledger["spine"]["cross_rack_bytes"] == consensus + masks + residuals
+        assert ledger["spine"]["cross_rack_bytes"] == consensus + masks + residuals + guard
     assert res["stats"]["cross_rack_bytes"] == ledger["total"]["cross_rack_bytes"]
     assert res["stats"]["inter_bytes"] == ledger["total"]["cross_node_bytes"]
     if topo["is_leader"]:   # the consensus exchange as the ring model puts it: rack sum, spine average, way down
@@ -593,17 +602,18 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
     width = 5 if results[0]["rack_tier"] else 3
     residuals = ROUNDS * (len(numels) * width + size * 3 + len(numels) + 1) * 8
     dense_round = FLOAT_BYTES * (sum(numels.values()) + results[0]["buffer_numel"])
+    guard = guard_bytes(results[0], ROUNDS) if num_nodes > 1 else 0
     budget_used = {}   # per rank, with a budget across layers: kept weights beyond the per-layer projection's
     for res in results:
         rank, leader = res["rank"], res["topology"]["is_leader"]
         inter = res["ledger"]["inter"]
         if res["rack_tier"]:
-            check_rack_ledger(res, per_round, unfrozen * mask_bytes, residuals, mask_itemsize)
+            check_rack_ledger(res, per_round, unfrozen * mask_bytes, residuals, mask_itemsize, guard)
         elif leader:
             by_op = {op: v["payload_bytes"] for op, v in inter.get("by_op", {}).items()}
             if num_nodes > 1:
                 want = {"allreduce[consensus]": sum(per_round), "bor[masks]": unfrozen * mask_bytes,
-                        "allreduce[residuals]": residuals}
+                        "allreduce[residuals]": residuals, "allreduce[guard]": guard}
                 assert by_op == {op: n for op, n in want.items() if n}, f"rank {rank}"
             else:   # one node: no inter-node tier, the leaders' group of one is never used
                 assert inter["ops"] == 0, f"rank {rank}: {inter}"

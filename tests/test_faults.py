@@ -99,14 +99,28 @@ def test_nan_then_kill_then_resume_ends_bit_for_bit_like_the_uninterrupted_run(f
     assert_same_run(ref, out)
 
 
-def test_ranks_at_different_step_counts_are_refused_in_the_round(tmp_path):
-    proc = run(mpirun(4, python_cmd("fault_worker.py", "--fault", "uneven", "--rank", "2", "--out", str(tmp_path)),
-                      NODES2), timeout=120)
+@pytest.mark.parametrize("odd_rank", [2, 3], ids=["a-leader-ahead", "a-non-leader-ahead"])
+@pytest.mark.parametrize("node_sync", [False, True], ids=["alone", "node-sync"])
+def test_ranks_at_different_step_counts_are_refused_in_the_round(tmp_path, node_sync, odd_rank):
+    """One rank takes a step more than the others (2 nodes × 2). Stepping alone, the round's verdict compares the
+    counts. With node_sync the extra step's gradient average would meet its node's round: the guard before both
+    refuses it instead, on every rank, whether that rank leads its node or not."""
+    flags = ["--node-sync"] * node_sync
+    proc = run(mpirun(4, python_cmd("fault_worker.py", "--fault", "uneven", "--rank", str(odd_rank), *flags,
+                                    "--out", str(tmp_path)), NODES2), timeout=120)
     assert proc.returncode != 0
+    others = ",".join(str(r) for r in range(4) if r != odd_rank)
     for r in range(4):
         text = (tmp_path / f"error.rank{r}.txt").read_text()
-        assert "consensus round 1: the ranks took different numbers of optimizer steps (5 on ranks 0,1,3; " \
-               "6 on rank 2)" in text, text
+        if not node_sync:
+            assert f"consensus round 1: the ranks took different numbers of optimizer steps (5 on ranks {others}; " \
+                   f"6 on rank {odd_rank})" in text, text
+            continue
+        assert "node_sync: the ranks are not at the same point (" in text, text
+        assert f"rank {odd_rank} in a local step after 5 steps" in text, text
+        # the node's non-leader sees its node (it raises before the leaders sum); everyone else the whole job
+        seen = f"rank {odd_rank ^ 1}" if r // 2 == odd_rank // 2 and r % 2 else f"ranks {others}"
+        assert f"{seen} at consensus round 1 after 5 steps" in text, text
 
 
 def stalled_job(tmp_path, launcher, rank):

@@ -24,7 +24,8 @@ the wire alone) waits for it and runs phases 5–10, while the local steps in be
 
 Between rounds each local step adds ρ1(θ − z_i + u) to the gradient (:meth:`HSADMM.add_proximal_grad`); with
 ``node_sync`` the node's ranks first average their gradients (:meth:`HSADMM.sync_node_grads`), so each node
-steps as one data-parallel worker.
+steps as one data-parallel worker, and a guard before each step's average and each round refuses ranks that are
+not at the same point (:meth:`HSADMM._node_guard`).
 
 Residuals count both tiers as consensus ADMM does (:mod:`prunex_hvd.engine.admm`):
 s_intra = ρ1√(P·Σ_i‖Δz_i‖²), s_inter = ρ2√M‖Δz‖. With one node (or ``hierarchical=False``) there is no inter-node tier: z = z_i, r_inter is
@@ -114,6 +115,7 @@ class _InFlight:
 
 
 NO_BYTES = {"inter": 0, "intra": 0, "inter_consensus": 0, "dense_inter": 0, "cross_rack": 0}
+_IN_STEP, _AT_ROUND = 1.0, 2.0   # where a rank is, in node_sync's guard
 
 
 def _ranks(ranks: List[int]) -> str:
@@ -285,7 +287,7 @@ class HSADMM:
         """Whether :meth:`sync_node_grads` averages anything: ``node_sync`` on a node of more than one rank."""
         return self.config.node_sync and self.topo.local_size > 1
 
-    def sync_node_grads(self) -> None:
+    def sync_node_grads(self, steps: Optional[int] = None) -> None:
         """``node_sync``: every gradient averaged over the node's ranks (one allreduce per bucket on the fast
         links), before the proximal term is added. The node's ranks share θ, u and z_i, so they then take the
         same step: the node is one data-parallel worker. A parameter with no gradient on this rank counts as
@@ -293,9 +295,12 @@ class HSADMM:
 
         Once the masks are frozen only each structured weight's kept block travels: the pruned entries'
         gradients are masked right after anyway, so they come back 0 without being sent, and the node's links
-        carry the pruned model (half of ResNet-18's gradient at ``channel:0.5``)."""
+        carry the pruned model (half of ResNet-18's gradient at ``channel:0.5``).
+
+        ``steps``: the optimizer steps this rank has taken, for :meth:`_node_guard` (which comes first)."""
         if not self.syncs_node_grads:
             return
+        self._node_guard(_IN_STEP, steps)
         compact = self._retraining_masked
         if self._grads is None:   # made again at the freeze (and on a load)
             self._grads = BucketLayout([e.compact_numel() if compact else e.param.numel() for e in self.entries],
@@ -396,6 +401,63 @@ class HSADMM:
                 compact_compute.compute_in_full(layer)
         self._computing_compact = on
 
+    def _node_guard(self, where: float, steps: Optional[int]) -> None:
+        """``node_sync``'s guard: a node's ranks talk every step, so a rank with one batch more than the others would
+        pair its step's gradient average with their round's sum (a hang, or a transport error on some ranks).
+        Before either, every rank writes where it is (in a step, at a round) and its step count into its slot of
+        one small job-sized vector, summed over the node. Where no rank of the node is at a round that is all. At a
+        round the leaders also sum it over the job (a leader still in a step whose node's others are at the round
+        too: every leader sums once a round) and hand it to their node. Ranks not at the same point raise the same
+        error, naming them: the other ranks of a node at fault as soon as they see it, everyone else from the job's
+        sum. On the CPU, so a CUDA job does not wait on its device every step."""
+        size, node_ranks = self.topo.size, self.topo.local_ranks
+        cpu = self.groups.backend != "nccl"
+        seen = torch.zeros(2 * size, dtype=torch.float64, device="cpu" if cpu else self.device)
+        seen[self.topo.rank], seen[size + self.topo.rank] = where, -1 if steps is None else steps
+        before = self.ledger.summary()
+        with self.ledger.tagged("guard"):
+            self.groups.intra.allreduce_(seen, "sum")
+            node_ok = len({float(seen[r]) for r in node_ranks}) == 1 and \
+                len({float(seen[size + r]) for r in node_ranks}) == 1
+            at_round = any(float(seen[r]) == _AT_ROUND for r in node_ranks)
+            if at_round and self.topo.num_nodes > 1:
+                if not node_ok and not self.topo.is_leader:
+                    raise RuntimeError(self._guard_message(seen))
+                self._sum_up_the_tree(seen)
+                if node_ok:
+                    self.groups.intra.broadcast_(seen, root=0)
+        self._count_traffic(before)
+        if node_ok and not at_round:   # every rank of the node in this step
+            return
+        if node_ok and len(set(seen[:size].tolist())) == 1 and len(set(seen[size:].tolist())) == 1:
+            return
+        raise RuntimeError(self._guard_message(seen))
+
+    def _sum_up_the_tree(self, tensor: torch.Tensor) -> None:
+        """The node leaders' part of :meth:`_tree_` for a sum, without the last hand-down into the node: with racks
+        over the rack, across the spine and back down the rack; else across the leaders."""
+        if self.rack_tier:
+            for comm in (self.groups.rack, self.groups.spine):
+                if comm is not None:
+                    comm.allreduce_(tensor, "sum")
+            if self.groups.rack is not None:
+                self.groups.rack.broadcast_(tensor, root=0)
+        elif self.groups.inter is not None:
+            self.groups.inter.allreduce_(tensor, "sum")
+
+    def _guard_message(self, seen: torch.Tensor) -> str:
+        size = self.topo.size
+        ranks = [r for r in range(size) if seen[r] != 0]   # the slots filled: the node's, or the job's
+        where = {r: ("in a local step" if float(seen[r]) == _IN_STEP else f"at consensus round {self.round + 1}")
+                 + (f" after {int(seen[size + r])} steps" if seen[size + r] >= 0 else "") for r in ranks}
+        groups: Dict[str, List[int]] = {}
+        for r in ranks:
+            groups.setdefault(where[r], []).append(r)
+        said = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)} {w}" for w, rs in groups.items())
+        return (f"node_sync: the ranks are not at the same point ({said}). Every rank must take the same number of "
+                f"optimizer steps between rounds (equal data shards, drop the last partial batch): the ranks of a "
+                f"node average their gradients every step, so one more step on one rank would meet its node's round")
+
     def _retrain_support(self) -> List[torch.Tensor]:
         if self._support is None:
             self._support = [sparsity.apply_masks(torch.ones_like(e.param), e.rows, e.cols) for e in self.structured]
@@ -411,6 +473,8 @@ class HSADMM:
             raise RuntimeError("consensus round after finalize(): finalize() ends training (the model now holds "
                                "the consensus z); to evaluate the consensus mid-run use consensus_weights()")
         with watchdog.waiting(f"consensus round {self.round + 1}", world=True):
+            if self.syncs_node_grads:
+                self._node_guard(_AT_ROUND, steps)
             if self.overlapping:
                 return self._overlapped_round(steps)
             return self._round(steps)

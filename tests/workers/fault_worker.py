@@ -10,7 +10,8 @@ kill-in-flight  with --overlap: rank R sends itself SIGKILL in the first local s
 nan   one input batch of rank R, in the local steps just before round K, is NaN: θ and the BatchNorm statistics
       of that rank turn NaN through a real forward/backward/step, and round K meets them
 uneven  no training CLI: rank R's data shard holds one more batch, every rank steps through its shard and calls
-      consensus() at the end of the epoch (ranks at different step counts)
+      consensus() at the end of the epoch (ranks at different step counts); --node-sync: with the recipe's
+      node_sync (a node's ranks average their gradients every step), else every rank steps alone
 
 The faulty rank writes OUT/fault.pid (its pid) before the fault, so the test can clean up a stopped process.
 """
@@ -80,7 +81,7 @@ def inject(fault: str, at_round: int, out: str) -> None:
         data.ShardedLoader.batches = poisoned
 
 
-def uneven(out: str, odd_rank: int) -> None:
+def uneven(out: str, odd_rank: int, node_sync: bool) -> None:
     """Per-epoch consensus over shards of different lengths: every rank must refuse round 1, naming the counts."""
     from torch import nn
 
@@ -88,15 +89,14 @@ def uneven(out: str, odd_rank: int) -> None:
     topo = px.init()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
-    # every rank steps alone between rounds (no node_sync): the round's verdict compares the counts
     opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, sparsity="channel:0.5",
-                                  local_steps=1000, rho1=0.01, rho2=0.01, node_sync=False)
+                                  local_steps=1000, rho1=0.01, rho2=0.01, node_sync=node_sync)
     batches = 5 + (topo.rank == odd_rank)
-    for _ in range(batches):
-        opt.zero_grad()
-        model(torch.randn(4, 1, 8, 8)).pow(2).mean().backward()
-        opt.step()
-    try:
+    try:   # with node_sync the odd rank's extra step meets its node's round, and is refused there
+        for _ in range(batches):
+            opt.zero_grad()
+            model(torch.randn(4, 1, 8, 8)).pow(2).mean().backward()
+            opt.step()
         opt.consensus()
     except RuntimeError as exc:
         with open(os.path.join(out, f"error.rank{topo.rank}.txt"), "w") as f:
@@ -114,9 +114,10 @@ def main():
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--round", type=int, default=2)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--node-sync", action="store_true")
     a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if a.fault == "uneven":
-        return uneven(a.out, a.rank)
+        return uneven(a.out, a.rank, a.node_sync)
     if launch_rank() == a.rank:
         inject(a.fault, a.round, a.out)
     from prunex_hvd.app import cli
