@@ -38,7 +38,7 @@ import torch
 from .dist import agreement, runtime
 from .dist.comm import groups as comm_groups
 from .dist.comm.base import Groups, SingleCommunicator
-from .engine.config import ConsensusConfig, Structure, check_bucket_mb
+from .engine.config import ROUND_PULL, ConsensusConfig, Structure, check_bucket_mb
 from .engine.hsadmm import HSADMM
 from .engine.sparsity import own_channel_layers, stages_removing_nothing
 
@@ -270,13 +270,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
         made = made.with_rho_max_from(*lr_and_momentum(optimizer))
         structure = Structure.resolve(model, made)
         return (made, structure), made.agreement(structure)
-    asked = config.rho_max if isinstance(config, ConsensusConfig) else ConsensusConfig.rho_max
-    asked = knobs.get("rho_max", asked)
+    derived = knobs.get("rho_max", (config if isinstance(config, ConsensusConfig) else ConsensusConfig()).rho_max) \
+        == "auto"
     config, structure = agreement.checked_construction("prunex_hvd.DistributedOptimizer", backend, model, checks)
     if runtime.topology().rank == 0:   # every rank resolved the same specs and knobs: say it once
         warn_stages_removing_nothing(model, structure.specs)
         warn_outside_the_budget(config, structure)
-        say(what_the_recipe_took(optimizer, config, derived=asked == "auto"))
+        say(what_the_recipe_took(optimizer, config, derived))
     return mix_into(optimizer, _DistributedOptimizer, model, config, structure)
 
 
@@ -292,7 +292,7 @@ def what_the_recipe_took(optimizer, config: ConsensusConfig, derived: bool) -> s
     lr, momentum = lr_and_momentum(optimizer)
     if not derived:
         return f"DistributedOptimizer: rho balanced up to rho_max {config.rho_max:.3g}"
-    cap = (1 - momentum) / (lr * config.local_steps)
+    cap = ROUND_PULL * (1 - momentum) / (lr * config.local_steps)
     return (f"DistributedOptimizer: rho balanced up to rho_max {config.rho_max:.3g} "
             + (f"= (1 - momentum {momentum:g}) / (lr {lr:g} x {config.local_steps} local steps)" if config.rho_max == cap
                else f"(the starting rho: (1 - momentum {momentum:g}) / (lr {lr:g} x {config.local_steps} local steps) "
