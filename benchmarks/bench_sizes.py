@@ -9,7 +9,8 @@
   the same files' lines there.
 
 Limits it checks (``"within_limits"``): at most 20 knobs, 5 refused combinations, 40 options, every option showing
-its default.
+its default; the round's facade ``engine/hsadmm.py`` at most 250 lines and no engine file over 400
+(``tests/test_architecture.py`` holds the engine to the same).
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchjson import emit  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIMITS = {"knobs": 20, "refused_combinations": 5, "train_options": 40}
-ENGINE_REFUSALS = 1   # HSADMM._check_rack_tier: overlap with the rack tier
+LIMITS = {"knobs": 20, "refused_combinations": 5, "train_options": 40, "facade_lines": 250, "engine_file_lines": 400}
+ENGINE_REFUSALS = 1   # RackExchange: overlap with the rack tier
 
 
 def lines(text: str) -> int:
@@ -79,7 +80,9 @@ def main() -> None:
     doc["within_limits"] = (doc["knobs"] <= LIMITS["knobs"]
                             and doc["refused_combinations"] <= LIMITS["refused_combinations"]
                             and doc["train_options"] <= LIMITS["train_options"]
-                            and not doc["train_options_without_default"])
+                            and not doc["train_options_without_default"]
+                            and doc["hsadmm_lines"] <= LIMITS["facade_lines"]
+                            and max(engine.values()) <= LIMITS["engine_file_lines"])
     doc["limits"] = LIMITS
     emit(doc, args.out)
 

@@ -197,9 +197,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "inter_bytes": eng.bytes["inter"], "intra_bytes": eng.bytes["intra"],
             "inter_consensus_bytes": eng.bytes["inter_consensus"], "dense_inter_bytes": eng.bytes["dense_inter"],
             "cross_rack_bytes": eng.bytes["cross_rack"],
-            "density": eng.density(), "layer_density": eng.layer_density(), "mask_drift": eng.mask_drift,
+            "density": eng.density(), "layer_density": eng.layer_density(), "mask_drift": eng.state.mask_drift,
             "frozen": eng.frozen, "exchange_wait_s": eng.exchange_wait_s, "residuals": {e.name: dict(e.residuals) for e in eng.entries},
-            "rho": {e.name: dict(rho1=e.rho1, rho2=e.rho2, **({"rho3": e.rho3} if eng.rack_tier else {}))
+            "rho": {e.name: dict(rho1=e.rho1, rho2=e.rho2, **({"rho3": e.rho3} if eng.state.rack_tier else {}))
                     for e in eng.entries},
         }
 

@@ -228,17 +228,17 @@ def snapshot(eng):
             "z": {e.name: e.z.cpu().clone() for e in eng.entries},
             "rho1": {e.name: e.rho1 for e in eng.entries}, "rho2": {e.name: e.rho2 for e in eng.entries},
             "masks": {e.name: (e.rows.cpu().clone(), e.cols.cpu().clone()) for e in eng.structured},
-            "buffers": {n: b.detach().cpu().clone() for n, b in eng.buffers},
-            "round_buffers": {n: b.cpu().clone() for (n, _), b in zip(eng.buffers, eng._round_buffers)},
+            "buffers": {n: b.detach().cpu().clone() for n, b in eng.state.buffers},
+            "round_buffers": {n: b.cpu().clone() for (n, _), b in zip(eng.state.buffers, eng.state.round_buffers)},
             "ef": {e.name: e.ef.cpu().clone() for e in eng.entries if e.ef is not None},
-            "buffer_ef": {n: ef.cpu().clone() for (n, _), ef in zip(eng.buffers, eng._buffer_ef)},
+            "buffer_ef": {n: ef.cpu().clone() for (n, _), ef in zip(eng.state.buffers, eng.state.buffer_ef)},
             "frozen": eng.frozen,
             # three tiers (racks): the rank's rack consensus, its dual and ρ3
             "w": {e.name: e.w.cpu().clone() for e in eng.entries if e.w is not None},
             "t": {e.name: e.t.cpu().clone() for e in eng.entries if e.t is not None},
             "rho3": {e.name: e.rho3 for e in eng.entries},
             "ef_spine": {e.name: e.ef_spine.cpu().clone() for e in eng.entries if e.ef_spine is not None},
-            "buffer_ef_spine": {n: ef.cpu().clone() for (n, _), ef in zip(eng.buffers, eng._buffer_ef_spine)}}
+            "buffer_ef_spine": {n: ef.cpu().clone() for (n, _), ef in zip(eng.state.buffers, eng.state.buffer_ef_spine)}}
 
 
 def compare(name, got, want, rtol=1e-4, atol=1e-6, ulp=None):
@@ -265,9 +265,9 @@ def expected_round(rnd, before, after, node_ranks, eng):
     specs = {e.name: e.spec for e in eng.structured}
     return reference_round(before, node_ranks, specs, rho_max=c.rho_max, adaptive=c.adaptive_rho,
                            freezes=after[0]["frozen"] and not before[0]["frozen"],
-                           couplings=eng.couplings, streams=eng.streams, restart=c.restart,
-                           payload=eng.payload_dtype if eng.delta_coded else None,
-                           racks=[list(r) for r in eng.topo.racks] if eng.rack_tier else None, heads=eng.heads,
+                           couplings=eng.masks.couplings, streams=eng.masks.streams, restart=c.restart,
+                           payload=eng.state.payload_dtype if eng.state.delta_coded else None,
+                           racks=[list(r) for r in eng.state.topo.racks] if eng.state.rack_tier else None, heads=eng.masks.heads,
                            global_budget=global_budget(c))
 
 
@@ -297,7 +297,7 @@ def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buff
     it, and the compact (rows, cols) per layer."""
     want = want or expected_round(rnd, before, after, node_ranks, eng)
     node_of = {r: i for i, ranks in enumerate(node_ranks) for r in ranks}
-    rack_of = {i: k for k, nodes in enumerate(eng.topo.racks) for i in nodes} if eng.rack_tier else None
+    rack_of = {i: k for k, nodes in enumerate(eng.state.topo.racks) for i in nodes} if eng.state.rack_tier else None
     for r, got in enumerate(after):
         node = node_of[r]
         for name in got["w"] if rack_of else ():   # every rank of a rack holds its w_r, t_r
@@ -329,9 +329,9 @@ def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buff
         for name in got["buffers"] if buffers else ():
             compare(f"round {rnd} rank {r} buffer {name}", got["buffers"][name], want["buffers"][name],
                     ulp=want["ulp"].get("buffer " + name))
-        if eng.delta_coded:   # the leaders' rounding errors, sent again next round; nobody else keeps one
+        if eng.state.delta_coded:   # the leaders' rounding errors, sent again next round; nobody else keeps one
             leader = r == node_ranks[node][0]
-            rack_leader = rack_of is not None and r == node_ranks[eng.topo.racks[rack_of[node]][0]][0]
+            rack_leader = rack_of is not None and r == node_ranks[eng.state.topo.racks[rack_of[node]][0]][0]
             for key in ("ef", "buffer_ef") if buffers else ("ef",):
                 for name, ef in got[key].items():
                     compare(f"round {rnd} rank {r} {key}[{name}]", ef,
@@ -378,7 +378,7 @@ def overlapped_rounds(eng, model, step, x, y, consensus, rounds=ROUNDS, steps=LO
     rec = {"before": [], "after": [], "pre_fold": [], "fold_step": [], "launched": [], "reports": [],
            "folded_prox": []}
     count = {"steps": 0}
-    fold = eng._fold
+    fold = eng.overlap.fold
 
     def watched_fold():
         rec["pre_fold"].append(theta_of(model))
@@ -387,7 +387,7 @@ def overlapped_rounds(eng, model, step, x, y, consensus, rounds=ROUNDS, steps=LO
         rec["after"].append(snapshot(eng))
         rec["folded_prox"].append(prox_gradient(eng))   # what the steps after the fold add
         return out
-    eng._fold = watched_fold
+    eng.overlap.fold = watched_fold
 
     def counted_step():   # counted first: a fold inside step j (after_step) comes after j steps
         count["steps"] += 1
@@ -395,21 +395,21 @@ def overlapped_rounds(eng, model, step, x, y, consensus, rounds=ROUNDS, steps=LO
     for rnd in range(rounds):
         count["steps"] = 0
         local_steps(model, counted_step, x, y, steps)
-        pending = eng._in_flight is not None   # folded in by consensus(), just before this round starts
+        pending = eng.overlap.in_flight is not None   # folded in by consensus(), just before this round starts
         if not pending:
             rec["before"].append(snapshot(eng))
         rec["reports"].append(consensus())
         if pending:
             rec["before"].append(rec["after"][-1])
-        elif eng._in_flight is None:   # a blocking round (before the masks freeze)
+        elif eng.overlap.in_flight is None:   # a blocking round (before the masks freeze)
             rec["after"].append(snapshot(eng))
             rec["pre_fold"].append(None)
             rec["fold_step"].append(None)
             rec["folded_prox"].append(None)
-        rec["launched"].append({"theta": theta_of(model), "prox": prox_gradient(eng), "in_flight": eng._in_flight is not None})
+        rec["launched"].append({"theta": theta_of(model), "prox": prox_gradient(eng), "in_flight": eng.overlap.in_flight is not None})
     count["steps"] = 0   # the last round is folded in by complete(), with no steps after it
     eng.complete()
-    eng._fold = fold
+    eng.overlap.fold = fold
     return rec
 
 
@@ -453,14 +453,14 @@ def check_overlapped_round(rnd, recs, node_ranks, eng):
         for name in before[r]["buffers"]:
             compare(f"round {rnd} rank {r} consensus buffer {name}", after[r]["round_buffers"][name],
                     want["buffers"][name], ulp=want["ulp"].get("buffer " + name))
-        if eng.delta_coded:
+        if eng.state.delta_coded:
             leader = r == node_ranks[node_of[r]][0]
             for name, ef in after[r]["buffer_ef"].items():
                 compare(f"round {rnd} rank {r} buffer_ef[{name}]", ef,
                         want["buffer_ef"][name][node_of[r]] if leader else torch.zeros_like(ef),
                         ulp=want["ulp"]["buffer " + name])
     restart = eng.config.restart
-    fold_at = min(eng.fold_after, LOCAL_STEPS)
+    fold_at = min(eng.overlap.fold_after, LOCAL_STEPS)
     for r, rec in enumerate(recs):
         flight, pre_fold, b = rec["launched"][rnd], rec["pre_fold"][rnd], before[r]
         last = rnd == len(rec["fold_step"]) - 1
@@ -500,13 +500,13 @@ def engine_stats(eng):
 def rank_result(eng, model, topo, reports, stats, ledger_summary):
     """One rank's result after ``finalize()``, JSON-ready; rank 0's also gets ``checks`` and ``ref_rounds``
     (from :func:`check_round`) before :func:`check_results` reads it."""
-    return {"rank": topo.rank, "topology": topo.as_dict(), "rack_tier": eng.rack_tier,
+    return {"rank": topo.rank, "topology": topo.as_dict(), "rack_tier": eng.state.rack_tier,
             "guarded": eng.syncs_node_grads, "reports": reports,
             "stats": stats,
             "ledger": ledger_summary,
             "compact": {e.name: [int(e.rows.sum()), int(e.cols.sum())] for e in eng.structured},
-            "couplings": eng.couplings, "streams": [list(map(list, s)) for s in eng.streams],
-            "heads": [[g.num_heads, [list(r) for r in g.rows], list(g.cols)] for g in eng.heads],
+            "couplings": eng.masks.couplings, "streams": [list(map(list, s)) for s in eng.masks.streams],
+            "heads": [[g.num_heads, [list(r) for r in g.rows], list(g.cols)] for g in eng.masks.heads],
             # the rows, input channels and columns still nonzero (a linear weight: rows and columns)
             "final_support": {n: [int((p.detach().reshape(p.shape[0], -1).abs().sum(1) != 0).sum()),
                                   int((p.detach().abs().sum((0, 2, 3)) != 0).sum()) if p.dim() == 4 else None,
@@ -514,10 +514,10 @@ def rank_result(eng, model, topo, reports, stats, ledger_summary):
                               for n, p in model.named_parameters() if p.dim() in (2, 4)},
             # per stream, per member (readers, then writers): the channels it still reads / writes
             "stream_live": [[live_channels(model.get_parameter(n), dim) for dim, names in ((1, r), (0, w))
-                             for n in names] for r, w in eng.streams],
+                             for n in names] for r, w in eng.masks.streams],
             "shapes": {n: list(p.shape) for n, p in model.named_parameters()},
             "numels": {e.name: e.param.numel() for e in eng.entries},
-            "buffer_numel": sum(b.numel() for _, b in eng.buffers)}
+            "buffer_numel": sum(b.numel() for _, b in eng.state.buffers)}
 
 
 def guard_bytes(res, rounds):

@@ -18,7 +18,7 @@ ALLOWED = {
 }
 # the pure math: tensors in, tensors out, no transport
 PURE = ("prunex_hvd.engine.admm", "prunex_hvd.engine.sparsity", "prunex_hvd.engine.buckets",
-        "prunex_hvd.engine.dependencies")
+        "prunex_hvd.engine.dependencies", "prunex_hvd.engine.state", "prunex_hvd.engine.codec", "prunex_hvd.engine.rho")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -115,3 +115,47 @@ def test_every_folder_is_a_package_that_setup_packs():
     from setuptools import find_packages
     folders = {".".join(p.relative_to(ROOT.parent).parts) for p in ROOT.rglob("*.py") for p in [p.parent]}
     assert folders <= set(find_packages(str(ROOT.parent), include=["prunex_hvd", "prunex_hvd.*"]))
+
+
+# -- the engine's components: one concern per file, the transport in the exchange alone ------------------------
+ENGINE = ROOT / "engine"
+COLLECTIVES = {"allreduce_", "allreduce_async_", "broadcast_", "allgather", "leaders_then_node_",
+               "racks_then_down_", "barrier"}
+TRANSPORT = {"prunex_hvd.engine.exchange", "prunex_hvd.engine.racks"}   # every collective the engine issues
+FACADE_LINES, COMPONENT_LINES = 250, 400
+
+
+def _engine_modules():
+    return {m: p for m, p in MODULES.items() if _inside(m, "prunex_hvd.engine")}
+
+
+def test_every_engine_file_opens_with_what_it_holds_and_stays_short():
+    sizes = {m: len(p.read_text().splitlines()) for m, p in _engine_modules().items()}
+    assert sizes["prunex_hvd.engine.hsadmm"] <= FACADE_LINES, "the round's facade grew: move a concern out"
+    assert not {m: n for m, n in sizes.items() if n > COMPONENT_LINES}
+    undocumented = [m for m, p in _engine_modules().items() if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not undocumented
+
+
+def test_only_the_exchange_issues_collectives():
+    calls = {}
+    for m, p in _engine_modules().items():
+        if m in TRANSPORT:
+            continue
+        found = sorted({n.func.attr for n in ast.walk(ast.parse(p.read_text()))
+                        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in COLLECTIVES})
+        if found:
+            calls[m] = found
+    assert not calls, f"collectives outside the exchange: {calls}"
+    # and the test sees them where they are
+    assert any(isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "leaders_then_node_"
+               for n in ast.walk(ast.parse(MODULES["prunex_hvd.engine.exchange"].read_text())))
+
+
+def test_components_do_not_reach_back_into_the_facade():
+    wrong = {m: "prunex_hvd.engine.hsadmm" for m in _engine_modules()
+             if m != "prunex_hvd.engine.hsadmm" and "prunex_hvd.engine.hsadmm" in GRAPH[m]}
+    assert not wrong
+    # the round's phases are calls into the components, each imported by the facade
+    assert {f"prunex_hvd.engine.{c}" for c in ("state", "exchange", "racks", "codec", "masks", "verdict", "rho",
+                                               "steps", "overlap", "report")} <= GRAPH["prunex_hvd.engine.hsadmm"]

@@ -274,11 +274,11 @@ def test_the_engine_compacts_from_the_freeze_to_finalize_and_trains_the_same_mod
 def test_the_gradient_mask_is_skipped_only_where_every_structured_weight_is_checked(monkeypatch):
     """add_proximal_grad(grads_on_structure=True) skips the mask only when θ was checked on the structure for every
     structured weight: here one sits in a conv subclass that compact compute leaves alone, so it is masked."""
-    from prunex_hvd.engine.hsadmm import HSADMM
+    from prunex_hvd.engine.steps import StepHooks
 
     class MyConv(nn.Conv2d):
         pass
-    monkeypatch.setattr(HSADMM, "syncs_node_grads", property(lambda self: True))   # as on a node of two ranks
+    monkeypatch.setattr(StepHooks, "syncs_node_grads", property(lambda self: True))   # as on a node of two ranks
     for own_conv in (False, True):
         model = toy_cnn(0)
         if own_conv:
@@ -291,12 +291,12 @@ def test_the_gradient_mask_is_skipped_only_where_every_structured_weight_is_chec
             opt.zero_grad()
             model(x).sum().backward()
             opt.step()
-        assert eng.frozen and eng._computing_compact
+        assert eng.frozen and eng.steps.computing_compact
         for e in eng.structured:
             e.param.grad = torch.ones_like(e.param)   # nonzero outside the structure: the mask alone clears it
         eng.add_proximal_grad(grads_on_structure=True)
         outside = sum(float((e.param.grad * (1 - m)).abs().sum()) for e, m in zip(eng.structured,
-                                                                               eng._retrain_support()))
+                                                                               eng.masks.support()))
         assert (outside == 0.0) == own_conv
 
 

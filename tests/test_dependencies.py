@@ -114,9 +114,9 @@ def test_optimizer_streams_finalize_whole_channels(single_process):
     opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
                                   sparsity="channel:0.5", local_steps=2, rho1=0.1, rho2=0.1, freeze_round=2,
                                   coupled="streams")
-    streams = opt._engine.streams
+    streams = opt._engine.masks.streams
     assert streams == dependencies.channel_streams(model) and len(streams) == 2
-    assert opt._engine.couplings == dependencies.channel_couplings(model)
+    assert opt._engine.masks.couplings == dependencies.channel_couplings(model)
     x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 4, (8,))
     for _ in range(6):
         opt.zero_grad()
@@ -130,7 +130,7 @@ def test_optimizer_streams_finalize_whole_channels(single_process):
             [w[n].detach().flatten(1).abs().sum(1) != 0 for n in writers]
         assert all(torch.equal(m, live[0]) for m in live), (readers, writers)
         assert int(live[0].sum()) == len(live[0]) // 2
-    for consumer, producer in opt._engine.couplings.items():
+    for consumer, producer in opt._engine.masks.couplings.items():
         assert torch.equal(w[consumer].detach().abs().sum((0, 2, 3)) != 0,
                            w[producer].detach().flatten(1).abs().sum(1) != 0)
 

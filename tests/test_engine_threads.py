@@ -140,7 +140,7 @@ def check_against_the_reference(cluster, runs, want_specs, want_pairs, want_stre
     results = [run["result"] for run in runs]
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
     cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
-                        payload_bytes=eng.payload_dtype.itemsize, freeze_round=eng.config.freeze_round,
+                        payload_bytes=eng.state.payload_dtype.itemsize, freeze_round=eng.config.freeze_round,
                         global_budget=cases.global_budget(eng.config))
     return ref_rounds
 
@@ -152,7 +152,7 @@ def check_frozen_at_start(runs):
     eng = runs[0]["engine"]
     specs = {e.name: e.spec for e in eng.structured}
     theta0 = {e.name: runs[0]["theta0"][e.name] for e in eng.entries}
-    masks = reference_masks({n: theta0[n] for n in specs}, specs, eng.couplings, eng.streams, eng.heads,
+    masks = reference_masks({n: theta0[n] for n in specs}, specs, eng.masks.couplings, eng.masks.streams, eng.masks.heads,
                             cases.global_budget(eng.config))
     assert any(not bool(rows.all()) or not bool(cols.all()) for rows, cols in masks.values())
     for run in runs:
@@ -171,7 +171,7 @@ def check_frozen_at_start(runs):
 def assert_nodes_chose_apart(ref_rounds, eng):
     """The nodes chose different heads and different MLP hidden units in some round: the mask OR had work to do."""
     differ = {n for rnd in ref_rounds for n in rnd["nodes_differ"]}
-    heads = {n for g in eng.heads for n in g.members}
+    heads = {n for g in eng.masks.heads for n in g.members}
     assert differ & heads and differ - heads, (sorted(differ), sorted(heads))
 
 
@@ -244,7 +244,7 @@ def test_overlapped_rounds_match_the_delayed_reference(run):
     results = [run["result"] for run in runs]
     results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
     cases.check_results(results, want_specs, couplings=want_pairs, streams=want_streams,
-                        payload_bytes=eng.payload_dtype.itemsize, freeze_round=eng.config.freeze_round,
+                        payload_bytes=eng.state.payload_dtype.itemsize, freeze_round=eng.config.freeze_round,
                         global_budget=cases.global_budget(eng.config))
     overlapped = [r["frozen_before"] for r in ref_rounds]   # the rounds after freeze_round
     assert [r["in_flight"] for r in runs[0]["reports"]] == overlapped
@@ -254,7 +254,7 @@ def test_overlapped_rounds_match_the_delayed_reference(run):
 def test_overlap_with_one_node_is_the_blocking_round():
     """With one node there is no inter-node exchange to overlap: the round is the blocking one."""
     cluster, runs, _ = train_on_threads(1, 2, "chain", "channel:0.5", False, overlap=True)
-    assert not runs[0]["engine"].overlap
+    assert not runs[0]["engine"].overlap.enabled
     for rnd in range(cases.ROUNDS):
         cases.check_round(rnd, [run["before"][rnd] for run in runs], [run["after"][rnd] for run in runs],
                           cluster[0].topo.node_ranks, runs[0]["engine"])
@@ -277,7 +277,7 @@ def test_half_payload_errors_are_kept_in_state_dict():
             del s["ef"]
         del sd["buffer_ef"]
         eng.load_state_dict(sd)
-        assert not any(bool(e.ef.any()) for e in eng.entries) and not any(bool(t.any()) for t in eng._buffer_ef)
+        assert not any(bool(e.ef.any()) for e in eng.entries) and not any(bool(t.any()) for t in eng.state.buffer_ef)
 
 
 def reference_node_steps(runs, node_ranks, kind, rho_of):
@@ -362,10 +362,10 @@ def test_node_sync_steps_match_the_reference(layout, knobs):
     assert frozen_rounds == 1 and sent == len(runs) * cases.LOCAL_STEPS * (
         (cases.ROUNDS - frozen_rounds) * full + frozen_rounds * compact)
     # one allreduce per bucket a step: the full layout's buckets, then the compact one's (the engine's last)
-    full_buckets = len(BucketLayout([e.param.numel() for e in eng.entries], eng.dtype, eng.device,
-                                    eng.bucket_bytes).buffers)
+    full_buckets = len(BucketLayout([e.param.numel() for e in eng.entries], eng.state.dtype, eng.state.device,
+                                    eng.state.bucket_bytes).buffers)
     assert len(syncs) == len(runs) * cases.LOCAL_STEPS * (
-        (cases.ROUNDS - frozen_rounds) * full_buckets + frozen_rounds * len(eng._grads.buffers))
+        (cases.ROUNDS - frozen_rounds) * full_buckets + frozen_rounds * len(eng.steps.grad_buckets.buffers))
     for rank, run in zip(cluster, runs):   # counted in the engine's intra bytes, beside the rounds' own
         own = sum(rec.wire_bytes for rec in rank.ledger.records if rec.tag == "node-sync")
         assert run["engine"].bytes["intra"] >= own > (0 if local_size > 1 else -1)
@@ -432,7 +432,7 @@ def test_an_overlapped_round_refused_at_its_fold_leaves_the_previous_state():
             eng.consensus_round(steps=0)
         except FloatingPointError as exc:
             after = cases.snapshot(eng)
-            return str(exc), before, after, eng._in_flight, eng.round
+            return str(exc), before, after, eng.overlap.in_flight, eng.round
         return None
     out = run_ranks(2, 2, rank_run)
     assert all(o is not None for o in out), "a rank did not refuse the round"

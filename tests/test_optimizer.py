@@ -116,9 +116,9 @@ def test_freezing_by_patience_and_by_round():
     model, opt = make(freeze_round=1)
     train(model, opt, 3)
     assert opt.stats()["frozen"]
-    layout = opt._engine._compact_layout()
+    layout = opt._engine.masks.compact_layout()
     train(model, opt, 6)
-    assert opt._engine._compact_layout() is layout   # buffers allocated once after freezing
+    assert opt._engine.masks.compact_layout() is layout   # buffers allocated once after freezing
 
 
 @pytest.mark.parametrize("kw,message", [

@@ -40,7 +40,7 @@ def test_three_tier_rounds_match_the_reference(shape, case, knobs):
     cluster, runs, specs = train_on_threads(num_nodes, local_size, kind, sparsity, coupled, nodes_per_rack=per_rack,
                                             **knobs)
     eng = runs[0]["engine"]
-    assert eng.rack_tier and eng.topo.num_racks == num_nodes // per_rack
+    assert eng.state.rack_tier and eng.state.topo.num_racks == num_nodes // per_rack
     ref_rounds = check_against_the_reference(cluster, runs, want_specs, want_pairs, want_streams)
     if kind == "vit-even":   # the nodes chose apart, and the reference checked the OR up the tree
         assert_nodes_chose_apart(ref_rounds, eng)
@@ -59,7 +59,7 @@ def test_two_tier_shapes_are_the_two_tier_round_bit_for_bit(shape, knobs):
     """One rack, one node per rack, or ``rack_tier=False``: the two-tier round, bit for bit the run without racks
     (every round's state on every rank, the final model, the bytes on the leaders' group)."""
     with_racks, without = _run(shape, **knobs), _run(shape[:2] + (None,))
-    assert not with_racks[0]["engine"].rack_tier
+    assert not with_racks[0]["engine"].state.rack_tier
     for a, b in zip(with_racks, without):
         for snaps_a, snaps_b in ((a["before"], b["before"]), (a["after"], b["after"])):
             for sa, sb in zip(snaps_a, snaps_b):

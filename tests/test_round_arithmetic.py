@@ -11,6 +11,7 @@ import torch.nn as nn
 from engine_cases import SETTINGS as ENGINE_SETTINGS, make_model, model_state, paper_config, rank_batch, sgd, snapshot
 from prunex_hvd.engine import admm
 from prunex_hvd.engine.hsadmm import HSADMM
+from prunex_hvd.engine.steps import StepHooks
 from reference import reference_round
 from threaded import run_ranks
 
@@ -93,7 +94,7 @@ def test_one_node_keeps_rho2_and_reports_no_inter_residuals():
     models = [make_model(rank=r) for r in range(3)]
     per_round, engines = rounds_with_snapshots(1, 3, 6, models)
     for eng in engines:
-        assert not eng.inter_tier
+        assert not eng.state.inter_tier
         for e in eng.entries:
             assert e.rho2 == SETTINGS["rho2"], (e.name, e.rho2)
             assert set(e.residuals) == {"r_intra", "s_intra"}
@@ -162,7 +163,7 @@ def test_half_precision_proximal_gradient_does_not_cancel():
         e = eng.entries[0]
         e.z_i.fill_(0.5 - 1e-4)   # θ − z_i = 1e-4: a quarter of bfloat16's step at 0.5
         e.u.fill_(3e-5)
-        eng._refresh_prox()
+        eng.steps.refresh_prox()
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         eng.add_proximal_grad()
@@ -189,7 +190,7 @@ def test_finalize_and_consensus_weights_give_every_rank_the_same_model():
         x, y = rank_batch(r)
         train_steps(eng, model, opt, x, y, 3)
         eng.consensus_round()
-        averaged = {n: b.clone() for n, b in eng.buffers}
+        averaged = {n: b.clone() for n, b in eng.state.buffers}
         train_steps(eng, model, opt, x, y, 2)            # steps after the round: own data, own statistics
         own = model_state(model)
         ops = rank.ledger.summary()["total"]["ops"]
@@ -235,12 +236,12 @@ def test_the_proximal_cache_is_built_once_where_the_masks_freeze(monkeypatch):
     construction with freeze_round=0, and once by each round on the frozen masks (their values checked against
     the reference in tests/test_engine_threads.py)."""
     built = []
-    original = HSADMM._refresh_prox
+    original = StepHooks.refresh_prox
 
-    def counting(self):
-        built.append(self.round)
-        original(self)
-    monkeypatch.setattr(HSADMM, "_refresh_prox", counting)
+    def counting(self, in_flight=None):
+        built.append(self.state.round)
+        original(self, in_flight)
+    monkeypatch.setattr(StepHooks, "refresh_prox", counting)
 
     def body(rank):
         model = make_model()
