@@ -11,7 +11,7 @@ averages them over the ranks so that every rank holds the same model.
 Exactly: with ``momentum=None`` a BatchNorm layer's running mean and variance are the plain means over the
 batches it saw of each batch's mean and (unbiased) variance. Every rank sums its own, weighted by its batch
 count, and the world's sum over the world's count is what one process would hold after all the ranks' batches
-(tests/test_batchnorm.py checks it against that single-process reference).
+(tests/app/test_batchnorm.py checks it against that single-process reference).
 """
 from __future__ import annotations
 

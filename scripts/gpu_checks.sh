@@ -10,7 +10,7 @@ command -v mpirun >/dev/null && mpirun --version | head -1 || echo "no mpirun he
 
 rc=0
 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log" || rc=1
-"$PY" -m pytest -q -p no:cacheprovider tests/test_sparsity.py 2>&1 | tail -3 | tee -a "$out/gpu_tests.log" || rc=1
+"$PY" -m pytest -q -p no:cacheprovider tests/math/test_sparsity.py 2>&1 | tail -3 | tee -a "$out/gpu_tests.log" || rc=1
 "$PY" benchmarks/bench_shrink.py --device cuda --reps 30 > "$out/shrink_cuda.json" || rc=1
 taskset -c 0,1 "$PY" -c "import torch, runpy, sys; torch.set_num_threads(2); \
 sys.argv = ['bench_shrink.py', '--device', 'cpu', '--reps', '30']; runpy.run_path('benchmarks/bench_shrink.py', run_name='__main__')" \

@@ -2,14 +2,14 @@
 # The overlapped round on a GPU host (issue 19): its correctness tests on CUDA tensors (NCCL, Gloo) and its
 # timing, blocking against overlapped, ResNet-18 (digits at 32×32) on 2 emulated nodes × 2 sharing the host's
 # GPU over NCCL (each rank its own NCCL host id: NCCL's socket transport over loopback between them, see
-# tests/test_engine_launch.py): what an overlapped round costs and hides on a GPU, not a slow link's figures.
+# tests/launch/test_engine_launch.py): what an overlapped round costs and hides on a GPU, not a slow link's figures.
 #   bash scripts/gpu_overlap.sh OUTDIR        (SKIP_TESTS=1: the timing alone)
 # Writes OUTDIR/overlap_tests.log and OUTDIR/overlap_timing.json (the runs' summaries and per-round waits).
 source "$(dirname "$0")/gpu_host.sh"
 
 rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
-    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_engine_launch.py -k "overlapped_cuda" 2>&1 \
+    "$PY" -m pytest -q -rs -p no:cacheprovider tests/launch/test_engine_launch.py -k "overlapped_cuda" 2>&1 \
         | tee "$out/overlap_tests.log" || rc=1
 fi
 

@@ -234,7 +234,7 @@ def test_the_wrapped_optimizer_refuses_to_step_after_finalize(single_process):
 def test_the_proximal_cache_is_built_once_where_the_masks_freeze(monkeypatch):
     """The cache ρ1(u − z_i) is built once z_i has its final value, not once by the freeze and again after: at
     construction with freeze_round=0, and once by each round on the frozen masks (their values checked against
-    the reference in tests/test_engine_threads.py)."""
+    the reference in tests/engine/test_engine_threads.py)."""
     built = []
     original = StepHooks.refresh_prox
 

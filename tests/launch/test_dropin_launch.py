@@ -10,7 +10,7 @@ from engine_cases import CHANNEL, LOCAL_STEPS, ROUNDS, check_results
 from launching import BIN, horovodrun, mpirun, needs_horovod, needs_mpirun, python_cmd, run, torchrun, worker_results
 
 pytestmark = pytest.mark.launch
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 HOSTS = "localhost:2,127.0.0.1:2"
 SCALE = 65536.0   # GradScaler's initial scale; an inf halves it on the scaler that saw it
 

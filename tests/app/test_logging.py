@@ -49,7 +49,7 @@ def test_freezing_rho_changes_and_refused_rounds_are_logged(caplog):
 def test_silent_without_logging_configured():
     """A refused round logs an error; with no handler configured by the application none of the log reaches
     stderr (the package's NullHandler keeps Python's last-resort handler quiet): the exception says it all. What
-    reaches it is the wrapper's one line, what it took from the optimizer (tests/test_optimizer.py)."""
+    reaches it is the wrapper's one line, what it took from the optimizer (tests/api/test_optimizer.py)."""
     script = (
         "import torch, torch.nn as nn, prunex_hvd as px\n"
         "m = nn.Sequential(nn.Conv2d(3, 4, 3))\n"

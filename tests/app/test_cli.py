@@ -10,7 +10,7 @@ import pytest
 
 from launching import BIN, mpirun, needs_mpirun, run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @needs_mpirun

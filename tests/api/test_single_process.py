@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).parent / "workers" / "single_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "single_worker.py"
 
 
 def run_single(backend):

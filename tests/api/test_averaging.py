@@ -1,5 +1,5 @@
 """The round-based rivals in one process: bad settings refused, rounds counted where PruneX's fall, and the
-model a round leaves (tests/test_averaging_launch.py checks their math across ranks against a reference)."""
+model a round leaves (tests/launch/test_averaging_launch.py checks their math across ranks against a reference)."""
 import pytest
 import torch
 import torch.nn as nn

@@ -166,7 +166,7 @@ def test_horovodrun_gloo_two_host_names(tmp_path):
 
 
 def test_example_script_runs(tmp_path):
-    example = str(Path(__file__).resolve().parents[1] / "examples" / "train_cifar.py")
+    example = str(Path(__file__).resolve().parents[2] / "examples" / "train_cifar.py")
     proc = run(mpirun(4, [str(BIN / "python"), example, "--dataset", "digits", "--model", "resnet_small",
                           "--epochs", "2", "--batch-size", "32"], NODES2), timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
