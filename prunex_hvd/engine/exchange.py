@@ -6,6 +6,7 @@ down the node.
 """
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 import torch
@@ -25,6 +26,7 @@ class Exchange:
         self.topo = state.topo
         self.ledger = ledger or default_ledger()
         self.dense: Optional[BucketLayout] = None   # θ + u and the float buffers, summed over the node (phase 1)
+        self.in_flight: list = []   # the leaders' async average (overlap), until received
 
     # -- whole-job collectives ------------------------------------------------------------------------------
     def tree_(self, tensor: torch.Tensor, op: str, tag: Optional[str] = None) -> torch.Tensor:
@@ -36,9 +38,17 @@ class Exchange:
             return self.groups.leaders_then_node_(tensor, op, self.topo.num_nodes)
 
     def up_the_tree_(self, tensor: torch.Tensor) -> None:
-        """The node leaders' part of :meth:`tree_` for a sum, without the hand-down into the node."""
+        """The node leaders' part of :meth:`tree_` for a sum, without the hand-down into the node. An average in
+        flight on the leaders' group completes first: a group's collectives run in the order they were issued
+        (the next round's guard meets the leaders before the round in flight is folded in)."""
+        self._complete_in_flight()
         if self.groups.inter is not None:
             self.groups.inter.allreduce_(tensor, "sum")
+
+    def _complete_in_flight(self) -> None:
+        with self.ledger.tagged("consensus"):
+            for work in self.in_flight:
+                work.wait()
 
     def sum_over_job(self, local: torch.Tensor) -> torch.Tensor:
         """Sum a small float64 tensor over every rank, hierarchically (non-leaders never cross nodes). It
@@ -109,16 +119,22 @@ class Exchange:
     def start(self, layout: BucketLayout) -> list:
         """Phase 4 left in flight (``overlap``): the leaders' average started; the handles to wait on."""
         with self.ledger.tagged("consensus"):
-            return [self.groups.inter.allreduce_async_(buf, "avg") for buf in layout.buffers] \
+            self.in_flight = [self.groups.inter.allreduce_async_(buf, "avg") for buf in layout.buffers] \
                 if self.groups.inter is not None else []
+        return self.in_flight
 
-    def receive(self, works: list, layout: BucketLayout) -> None:
-        """The average started by :meth:`start` completes: the leaders wait for it, then hand it to their node."""
+    def receive(self, works: list, layout: BucketLayout) -> float:
+        """The average started by :meth:`start` completes: the leaders wait for it, then hand it to their node.
+        Returns the seconds the leaders' average kept this rank waiting, here or in an earlier wait."""
+        waited_before = sum(work.wait_seconds for work in works if work.completed)
+        t0 = time.perf_counter()
         with self.ledger.tagged("consensus"):
             for work in works:
                 work.wait()
             for buf in layout.buffers:
                 self.groups.intra.broadcast_(buf, root=0)
+        self.in_flight = []
+        return waited_before + time.perf_counter() - t0
 
     # -- what the consensus exchange carries, counted on its carrier ----------------------------------------
     def carriers(self) -> list:

@@ -3,7 +3,6 @@ in flight while the next local steps run, and folded in (phases 5–10) after ``
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -73,10 +72,9 @@ class OverlappedRounds:
         f = self.in_flight
         if f.received:
             return 0.0
-        t0 = time.perf_counter()
-        self.engine.exchange.receive(f.works, f.layout)
+        wait = self.engine.exchange.receive(f.works, f.layout)
         f.received, f.works = True, []
-        return time.perf_counter() - t0
+        return wait
 
     def fold(self) -> float:
         """Phases 5–10 of the round in flight, as the blocking round runs them (the duals from θ as the round

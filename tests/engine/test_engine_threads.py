@@ -7,13 +7,14 @@ snapshots its state before and after each round; the main thread then compares e
 masks and BN buffers with ``reference.reference_round``, checks the model is the same everywhere after
 construction and after finalize(), and checks each rank's own ledger (tests/engine_cases.py)."""
 import json
+import time
 
 import pytest
 import torch
 from torch import nn
 
 import engine_cases as cases
-from prunex_hvd.dist.comm.threads import thread_cluster
+from prunex_hvd.dist.comm.threads import ThreadCommunicator, thread_cluster
 from prunex_hvd.engine.buckets import BucketLayout
 from prunex_hvd.engine.config import ConsensusConfig, Structure
 from prunex_hvd.engine.hsadmm import HSADMM
@@ -487,6 +488,28 @@ def test_overlapped_state_dict_mid_flight_resumes_bit_for_bit(at_round, at_step,
             assert torch.equal(plain[r][0][k], took[r][0][k]), f"taking state_dict changed rank {r}'s {k}"
             assert torch.equal(took[r][0][k], resumed[r][0][k]), f"rank {r}'s {k} differs after the resume"
         assert plain[r][1] == took[r][1], r
+
+
+def test_the_next_round_s_guard_meets_the_leaders_only_after_their_average_in_flight(monkeypatch):
+    """overlap=True with node_sync: the round in flight is folded in at the next round, after that round's guard has
+    summed over the leaders. When one leader's average finishes late (here node 0's, by 0.3 s), the other's
+    guard must not meet it on the leaders' group: a group's collectives complete in the order they were issued,
+    and the run ends bit for bit where the run without the delay does."""
+    config = cases.paper_config(sparsity="channel:0.5", payload_dtype="bf16", node_sync=True, freeze_round=0,
+                                overlap=True)
+    native.module()
+    prompt = resume_on_threads(config, 2, 2, take_at=None)
+    original = ThreadCommunicator._allreduce_in_background
+
+    def late_on_node_0(self, tensor, op):
+        if self.tier == "inter" and self.rank == 0:
+            time.sleep(0.3)
+        original(self, tensor, op)
+    monkeypatch.setattr(ThreadCommunicator, "_allreduce_in_background", late_on_node_0)
+    late = resume_on_threads(config, 2, 2, take_at=None)
+    for r in range(4):
+        assert all(torch.equal(prompt[r][0][k], late[r][0][k]) for k in prompt[r][0]), f"rank {r}"
+        assert prompt[r][1] == late[r][1], r
 
 
 @pytest.mark.parametrize("model_first", [False, True], ids=["engine-first", "model-first"])
