@@ -59,7 +59,7 @@ def inject(fault: str, at_round: int, out: str) -> None:
         after_step = hsadmm.HSADMM.after_step
 
         def fault_then_step(self):   # before after_step, which may fold the round in
-            if self._in_flight is not None and self.round + 1 == at_round:
+            if self.overlap.in_flight is not None and self.round + 1 == at_round:
                 mark()
                 sys.stdout.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
