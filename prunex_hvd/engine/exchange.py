@@ -6,6 +6,7 @@ down the node.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import List, Optional
 
@@ -30,12 +31,14 @@ class Exchange:
 
     # -- whole-job collectives ------------------------------------------------------------------------------
     def tree_(self, tensor: torch.Tensor, op: str, tag: Optional[str] = None) -> torch.Tensor:
-        """Combine ``tensor`` over the whole hierarchy and hand the result to every rank (collective): the leaders
-        across nodes, then each leader to its node."""
-        if tag is None:
-            return self.groups.leaders_then_node_(tensor, op, self.topo.num_nodes)
-        with self.ledger.tagged(tag):
-            return self.groups.leaders_then_node_(tensor, op, self.topo.num_nodes)
+        """Combine ``tensor`` over the whole hierarchy and hand the result to every rank (collective), its traffic
+        under ``tag`` when given."""
+        with self.ledger.tagged(tag) if tag else contextlib.nullcontext():
+            return self._combine_(tensor, op)
+
+    def _combine_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """The leaders across nodes, then each leader to its node."""
+        return self.groups.leaders_then_node_(tensor, op, self.topo.num_nodes)
 
     def up_the_tree_(self, tensor: torch.Tensor) -> None:
         """The node leaders' part of :meth:`tree_` for a sum, without the hand-down into the node. An average in

@@ -40,11 +40,11 @@ from .masks import MaskPolicy
 from .overlap import OverlappedRounds
 from .racks import RackExchange
 from .report import NO_BYTES, Traffic
-from .state import ConsensusState, Entry
+from .state import ConsensusState
 from .steps import StepHooks
 from .verdict import AT_ROUND, NodeGuard, Verdict
 
-__all__ = ["HSADMM", "Entry"]
+__all__ = ["HSADMM"]
 
 
 class HSADMM:

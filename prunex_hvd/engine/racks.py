@@ -28,13 +28,10 @@ class RackExchange(Exchange):
                              f"support overlap={state.config.overlap!r}: turn it off, or set rack_tier=False for "
                              f"two tiers over all nodes")
 
-    def tree_(self, tensor: torch.Tensor, op: str, tag=None) -> torch.Tensor:
-        """Combine ``tensor`` over the nodes of each rack, then the rack leaders across the spine, and hand the
-        result down the rack and the node."""
-        if tag is None:
-            return self.groups.racks_then_down_(tensor, op)
-        with self.ledger.tagged(tag):
-            return self.groups.racks_then_down_(tensor, op)
+    def _combine_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Over the nodes of each rack, then the rack leaders across the spine, and back down the rack and the
+        node."""
+        return self.groups.racks_then_down_(tensor, op)
 
     def up_the_tree_(self, tensor: torch.Tensor) -> None:
         """A sum over the rack, across the spine and back down the rack (not into the node)."""
