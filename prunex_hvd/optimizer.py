@@ -38,7 +38,7 @@ import torch
 from .dist import agreement, runtime
 from .dist.comm import groups as comm_groups
 from .dist.comm.base import Groups, SingleCommunicator
-from .engine.config import ROUND_PULL, ConsensusConfig, Structure, check_bucket_mb
+from .engine.config import ConsensusConfig, Structure, check_bucket_mb, round_pull_cap
 from .engine.hsadmm import HSADMM
 from .engine.sparsity import own_channel_layers, stages_removing_nothing
 
@@ -292,7 +292,7 @@ def what_the_recipe_took(optimizer, config: ConsensusConfig, derived: bool) -> s
     lr, momentum = lr_and_momentum(optimizer)
     if not derived:
         return f"DistributedOptimizer: rho balanced up to rho_max {config.rho_max:.3g}"
-    cap = ROUND_PULL * (1 - momentum) / (lr * config.local_steps)
+    cap = round_pull_cap(lr, momentum, config.local_steps)
     return (f"DistributedOptimizer: rho balanced up to rho_max {config.rho_max:.3g} "
             + (f"= (1 - momentum {momentum:g}) / (lr {lr:g} x {config.local_steps} local steps)" if config.rho_max == cap
                else f"(the starting rho: (1 - momentum {momentum:g}) / (lr {lr:g} x {config.local_steps} local steps) "

@@ -27,6 +27,12 @@ CHANNEL_BUDGETS = ("layer", "global")
 ROUND_PULL = 1.0
 
 
+def round_pull_cap(lr: float, momentum: float, local_steps: int) -> float:
+    """The ρ at which ``local_steps`` steps at ``lr`` with heavy-ball ``momentum`` pull θ back :data:`ROUND_PULL`
+    times its distance to the consensus: pull·(1 − β)/(lr·H) (:meth:`ConsensusConfig.with_rho_max_from`)."""
+    return ROUND_PULL * (1.0 - momentum) / (lr * local_steps)
+
+
 def _knob(default, help: str, agree: Optional[str] = None):
     """A field with its one-line help (the command line's too); ``agree`` names the group a disagreement across
     ranks is reported under (default: the knob's own name)."""
@@ -197,7 +203,7 @@ class ConsensusConfig:
         if not (isinstance(lr, Real) and math.isfinite(lr) and lr > 0) or not 0 <= momentum < 1:
             raise ValueError(f"rho_max='auto' is (1 - momentum) / (lr x local_steps), which needs lr > 0 and "
                              f"0 <= momentum < 1 (got lr {lr!r}, momentum {momentum!r}): set rho_max to a number")
-        cap = ROUND_PULL * (1.0 - momentum) / (lr * self.local_steps)
+        cap = round_pull_cap(lr, momentum, self.local_steps)
         return dataclasses.replace(self, rho_max=max(cap, self.rho1, self.rho2, self.rho3 or 0.0))
 
     @property
