@@ -42,7 +42,7 @@ entry_loads() {
     "$VENV/bin/python" -c "from importlib.metadata import entry_points as e; \
 [p.load() for p in e(group='console_scripts') if p.name == 'prunex-hvd'] or exit(1)" >/dev/null 2>&1
 }
-if ! have prunex_hvd || ! have pytest || ! have xdist || ! have mpi4py || ! have torch_pruning || ! entry_loads; then
+if ! have prunex_hvd || ! have pytest || ! have xdist || ! have sklearn || ! have mpi4py || ! have torch_pruning || ! entry_loads; then
     say "installing prunex_hvd[dev]"
     pip install -q setuptools wheel
     pip install -q --no-build-isolation -e "$here[dev]"

@@ -34,6 +34,20 @@ def test_digits_deterministic_and_resize(digits):
     assert torch.equal(big.train_y, digits.train_y)     # same split whatever the size
 
 
+def test_the_embedded_digits_are_scikit_learn_s_with_its_split(digits):
+    """digits.npz holds exactly what sklearn.datasets.load_digits returns, split as
+    train_test_split(test_size=0.2, random_state=0, stratify=y) splits it (scikit-learn: the dev extra)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    bunch = load_digits()
+    tr, te = train_test_split(np.arange(len(bunch.target)), test_size=0.2, random_state=0, stratify=bunch.target)
+    x = torch.from_numpy(np.rint(bunch.data * (255.0 / 16.0)).astype(np.uint8)).reshape(-1, 1, 8, 8)
+    small = load_dataset("digits", image_size=8)
+    assert torch.equal(small.train_x, x[tr]) and torch.equal(small.test_x, x[te])
+    assert torch.equal(small.train_y, torch.from_numpy(bunch.target[tr])) and \
+        torch.equal(small.test_y, torch.from_numpy(bunch.target[te]))
+
+
 def test_unknown_name_and_bad_size():
     with pytest.raises(ValueError, match="digits, cifar10, synthetic"):
         load_dataset("mnist")
