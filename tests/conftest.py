@@ -31,3 +31,17 @@ def digits():
     """The digits dataset at its default 16×16 (loaded once; tests read it, none modifies it)."""
     from prunex_hvd.app.data import load_dataset
     return load_dataset("digits")
+
+
+@pytest.fixture(scope="session")
+def shared_launch(tmp_path_factory):
+    """``shared_launch(GROUP)``: the one job of every case registered for GROUP (tests/shared_launches.py),
+    launched on first use: (the finished job, its out folder)."""
+    import shared_launches
+    done = {}
+
+    def launched(group):
+        if group not in done:
+            done[group] = shared_launches.launch(group, tmp_path_factory.mktemp(group))
+        return done[group]
+    return launched

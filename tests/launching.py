@@ -56,14 +56,19 @@ def torchrun(nproc: int, cmd: list) -> list:
     return [str(BIN / "torchrun"), "--standalone", "--no-python", f"--nproc_per_node={nproc}"] + cmd
 
 
-def worker_results(proc: subprocess.CompletedProcess, out: Path, name: str, ranks: int = 4) -> list:
+def worker_results(proc: subprocess.CompletedProcess, out: Path, name: str, ranks: int = 4,
+                   case: str | None = None) -> list:
     """Assert every rank of a ``tests/workers`` job reported ok (else show its "NAME worker error" lines and
-    the output's tail) and return each rank's ``rank{R}.json``."""
+    the output's tail) and return each rank's ``rank{R}.json``; ``case``: one case of a launch that ran several
+    (its files in OUT/CASE)."""
     import json
+    import re
     errors = [line for line in proc.stdout.splitlines() if f"{name} worker error" in line]
     assert proc.returncode == 0, "\n".join(errors) + "\n" + proc.stdout[-6000:]
-    assert proc.stdout.count("] ok checks=") == ranks, proc.stdout[-6000:]
-    return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
+    assert re.findall(r"\] ok checks=\d+(?: case=([\w.-]+))?", proc.stdout).count(case or "") == ranks, \
+        proc.stdout[-6000:]
+    folder = Path(out) / case if case else Path(out)
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
 def run(cmd: list, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:

@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 import prunex_hvd as px
-from launching import mpirun, needs_mpirun, python_cmd, run, worker_results
+from launching import needs_mpirun, worker_results
+from shared_launches import register
 from models_for_tests import toy_cnn
 from prunex_hvd.baselines import pactrain
 from prunex_hvd.baselines.pactrain import (MaskTracker, grasp_masks, grasp_scores, magnitude_masks, step_seed,
@@ -373,13 +374,15 @@ def ring_allreduce_job_cross(nbytes: int) -> int:
     return 2 * (2 * 3 * nbytes // 4)
 
 
+LAUNCH_CASE = register("mpirun-2x2", "pactrain", "pactrain_worker", "--backend", "mpi", "--steps", str(STEPS),
+                       "--patience", str(PATIENCE))
+
+
 @pytest.mark.launch
 @needs_mpirun
-def test_pactrain_mpirun_two_nodes(tmp_path):
-    proc = run(mpirun(4, python_cmd("pactrain_worker.py", "--backend", "mpi", "--steps", str(STEPS),
-                                    "--patience", str(PATIENCE), "--out", str(tmp_path)),
-                      ["PRUNEX_RANKS_PER_NODE=2"]))
-    results = worker_results(proc, tmp_path, "pactrain")
+def test_pactrain_mpirun_two_nodes(shared_launch):
+    proc, out = shared_launch("mpirun-2x2")
+    results = worker_results(proc, out, "pactrain", case=LAUNCH_CASE)
     for mode in ("plain", "terngrad", "structured"):
         res0 = results[0][mode]
         assert res0["checks"] == STEPS, mode               # rank 0 checked every step against the reference

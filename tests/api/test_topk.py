@@ -12,7 +12,8 @@ import torch.nn as nn
 
 from prunex_hvd.baselines import topk
 
-from launching import mpirun, needs_mpirun, python_cmd, run, worker_results
+from launching import needs_mpirun, worker_results
+from shared_launches import register
 from models_for_tests import toy_cnn
 
 
@@ -196,13 +197,15 @@ def test_foreign_parameters_and_non_optimizers_are_refused(single_process):
 STEPS, WARMUP = 5, 2
 
 
+LAUNCH_CASE = register("mpirun-2x2", "topk", "topk_worker", "--backend", "mpi", "--steps", str(STEPS),
+                       "--warmup-steps", str(WARMUP))
+
+
 @needs_mpirun
 @pytest.mark.launch
-def test_topk_mpirun_matches_reference_and_byte_formula(tmp_path):
-    proc = run(mpirun(4, python_cmd("topk_worker.py", "--backend", "mpi", "--steps", str(STEPS),
-                                    "--warmup-steps", str(WARMUP), "--out", str(tmp_path)),
-                      ["PRUNEX_RANKS_PER_NODE=2"]))
-    results = worker_results(proc, tmp_path, "topk")
+def test_topk_mpirun_matches_reference_and_byte_formula(shared_launch):
+    proc, out = shared_launch("mpirun-2x2")
+    results = worker_results(proc, out, "topk", case=LAUNCH_CASE)
     assert results[0]["checks"] == 4 * STEPS
     K = sum(results[0]["ks"])
     numel = sum(results[0]["numels"])

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from launching import BIN, mpirun, needs_mpirun, run
+from launching import BIN, mpirun, needs_mpirun, run, worker_results
+from shared_launches import register
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,9 +48,12 @@ def test_make_python_prints_the_env_interpreter():
         assert Path(out) == Path(sys.executable)
 
 
+RACKS_DISAGREE = register("mpirun-racks", "racks-disagree", "rack_worker", "--backend", "mpi", "--disagree", "5")
+
+
 @needs_mpirun
 @pytest.mark.launch
-def test_info_shows_racks_from_the_environment():
+def test_info_shows_racks_from_the_environment(shared_launch):
     """8 ranks as 2 racks × 2 nodes × 2 (PRUNEX_RANKS_PER_NODE, PRUNEX_NODES_PER_RACK): every rank's topology,
     and a value the ranks disagree on (one rank told 4) is one error on every rank."""
     proc = run(mpirun(8, [str(BIN / "prunex-hvd"), "info", "--json"],
@@ -59,10 +63,8 @@ def test_info_shows_racks_from_the_environment():
     assert [(t["rack"], t["node"], t["is_rack_leader"]) for t in ranks] == \
         [(r // 4, r // 2, r % 4 == 0) for r in range(8)]
     assert {str(t["rack_nodes"]) for t in ranks} == {"[[0, 1], [2, 3]]"}
-    script = ("import os, prunex_hvd as px; r = int(os.environ['OMPI_COMM_WORLD_RANK'])\n"
-              "try:\n    px.init(ranks_per_node=2, nodes_per_rack=4 if r == 5 else 2)\n"
-              "except px.TopologyError as e:\n    print(f'[rank {r}] refused: {e}', flush=True)")
-    proc = run(mpirun(8, [sys.executable, "-c", script]), timeout=180)
+    proc, out = shared_launch("mpirun-racks")
+    worker_results(proc, out, "rack", ranks=8, case=RACKS_DISAGREE)
     # mpirun may join two ranks' lines into one: find every rank's message in the whole output
     said = re.findall(r"\[rank (\d)\] refused: ranks disagree about nodes_per_rack \(PRUNEX_NODES_PER_RACK\): "
                       r"2 on ranks 0,1,2,3,4,6,7; 4 on ranks 5\.", proc.stdout)

@@ -3,7 +3,8 @@ step against the single-process reference in tests/workers/averaging_worker.py, 
 the ring model (world ring 0→1→2→3→0: ranks 1 and 3 send across nodes; a node's ring stays inside it)."""
 import pytest
 
-from launching import horovodrun, mpirun, needs_horovod, needs_mpirun, python_cmd, run, worker_results
+from launching import horovodrun, needs_horovod, needs_mpirun, python_cmd, run, worker_results
+from shared_launches import register
 
 pytestmark = pytest.mark.launch
 
@@ -37,11 +38,13 @@ def check_bytes(results):
             assert ledger["intra"]["cross_node_bytes"] == 0 and ledger["intra"]["ops"] == NODE_ROUNDS
 
 
+CASE = register("mpirun-2x2", "rivals", "averaging_worker", "--methods", ",".join(METHODS))
+
+
 @needs_mpirun
-def test_rivals_match_the_reference_under_mpirun(tmp_path):
-    proc = run(mpirun(4, python_cmd("averaging_worker.py", "--methods", ",".join(METHODS), "--out", str(tmp_path)),
-                      ["PRUNEX_RANKS_PER_NODE=2"]), timeout=300)
-    check_bytes(worker_results(proc, tmp_path, "averaging"))
+def test_rivals_match_the_reference_under_mpirun(shared_launch):
+    proc, out = shared_launch("mpirun-2x2")
+    check_bytes(worker_results(proc, out, "averaging", case=CASE))
 
 
 @needs_horovod

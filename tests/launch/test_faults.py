@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from launching import horovodrun, mpirun, needs_horovod, needs_mpirun, python_cmd, run
+from launching import have_horovod, horovodrun, mpirun, needs_horovod, needs_mpirun, python_cmd, run, worker_results
+from shared_launches import register
 from training_job import NODES2, assert_same_run, metrics, train
 
 pytestmark = [pytest.mark.launch, needs_mpirun]
@@ -99,19 +100,25 @@ def test_nan_then_kill_then_resume_ends_bit_for_bit_like_the_uninterrupted_run(f
     assert_same_run(ref, out)
 
 
+UNEVEN = {f"{sync}-{who}": (rank, sync == "node-sync") for sync in ("alone", "node-sync")
+          for who, rank in (("a-leader-ahead", 2), ("a-non-leader-ahead", 3))}
+# the four cases one after the other in the shared 2 × 2 launch (each refusal is agreed: the ranks stay in step)
+UNEVEN_CASE = register("mpirun-2x2", "uneven", "fault_worker", "--fault", "uneven", "--uneven",
+                       ",".join(f"{name}:{rank}" + (":node-sync" if sync else "") for name, (rank, sync) in UNEVEN.items()))
+
+
 @pytest.mark.parametrize("odd_rank", [2, 3], ids=["a-leader-ahead", "a-non-leader-ahead"])
 @pytest.mark.parametrize("node_sync", [False, True], ids=["alone", "node-sync"])
-def test_ranks_at_different_step_counts_are_refused_in_the_round(tmp_path, node_sync, odd_rank):
+def test_ranks_at_different_step_counts_are_refused_in_the_round(shared_launch, request, node_sync, odd_rank):
     """One rank takes a step more than the others (2 nodes × 2). Stepping alone, the round's verdict compares the
     counts. With node_sync the extra step's gradient average would meet its node's round: the guard before both
     refuses it instead, on every rank, whether that rank leads its node or not."""
-    flags = ["--node-sync"] * node_sync
-    proc = run(mpirun(4, python_cmd("fault_worker.py", "--fault", "uneven", "--rank", str(odd_rank), *flags,
-                                    "--out", str(tmp_path)), NODES2), timeout=120)
-    assert proc.returncode != 0
+    proc, out = shared_launch("mpirun-2x2")
+    worker_results(proc, out, "fault", case=UNEVEN_CASE)
+    out = out / UNEVEN_CASE
     others = ",".join(str(r) for r in range(4) if r != odd_rank)
     for r in range(4):
-        text = (tmp_path / f"error.rank{r}.txt").read_text()
+        text = (out / request.node.callspec.id / f"error.rank{r}.txt").read_text()
         if not node_sync:
             assert f"consensus round 1: the ranks took different numbers of optimizer steps (5 on ranks {others}; " \
                    f"6 on rank {odd_rank})" in text, text
@@ -134,11 +141,26 @@ def stalled_job(tmp_path, launcher, rank):
         cleanup(tmp_path)
 
 
-@pytest.mark.parametrize("launcher,rank", [("mpirun", 3), pytest.param("horovodrun", 0, marks=needs_horovod)])
-def test_a_stalled_rank_is_named_by_every_other_rank(tmp_path, launcher, rank):
+STALLS = [("mpirun", 3), pytest.param("horovodrun", 0, marks=needs_horovod)]
+
+
+@pytest.fixture(scope="module")
+def stalled_jobs(tmp_path_factory):
+    """The stalled jobs of the test below, run at the same time: each spends most of its time waiting for the
+    timeout. {(launcher, rank): (the job, seconds from the stop to its end)}."""
+    from concurrent.futures import ThreadPoolExecutor
+    cases = [("mpirun", 3)] + ([("horovodrun", 0)] if have_horovod() else [])
+    with ThreadPoolExecutor(len(cases)) as pool:
+        jobs = {case: pool.submit(stalled_job, tmp_path_factory.mktemp(f"stalled-{case[0]}"), *case)
+                for case in cases}
+    return {case: job.result() for case, job in jobs.items()}
+
+
+@pytest.mark.parametrize("launcher,rank", STALLS)
+def test_a_stalled_rank_is_named_by_every_other_rank(stalled_jobs, launcher, rank):
     """Rank R stops (SIGSTOP) in the middle of round 2: its process lives on, the launcher sees nothing. Every
     other rank's watchdog stops the job after the timeout, naming it (rank 0 stalled: its hub is silent)."""
-    proc, took = stalled_job(tmp_path, launcher, rank)
+    proc, took = stalled_jobs[launcher, rank]
     assert proc.returncode != 0
     said = watchdog_lines(proc.stdout)
     others = set(range(4)) - {rank}

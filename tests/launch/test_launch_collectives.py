@@ -2,12 +2,12 @@
 
 The worker checks every result against values it computes itself; here we check the ledger's byte counts
 exactly against the ring model written out by hand for 2 nodes × 2 ranks (nodes [0,0,1,1], leaders 0, 2)."""
-import json
 
 import pytest
 import torch
 
 from launching import horovodrun, mpirun, needs_horovod, needs_mpirun, python_cmd, run, torchrun, worker_results
+from shared_launches import register
 
 pytestmark = pytest.mark.launch
 
@@ -53,11 +53,8 @@ def expected_ledger(rank: int, backend: str) -> dict:
     return exp
 
 
-def check_results(tmp_path, backends, accounted_as=None):
-    ranks = sorted(tmp_path.glob("rank*.json"))
-    assert len(ranks) == 4, f"expected 4 rank reports, got {[p.name for p in ranks]}"
-    for path in ranks:
-        res = json.loads(path.read_text())
+def check_results(results, backends, accounted_as=None):
+    for res in results:
         topo = res["topology"]
         rank = topo["rank"]
         assert (topo["size"], topo["num_nodes"], topo["local_size"]) == (4, 2, 2)
@@ -75,27 +72,27 @@ def check_results(tmp_path, backends, accounted_as=None):
             assert summary["intra"]["cross_node_bytes"] == 0
 
 
-def _ok(proc):
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    assert proc.stdout.count("] ok rank") == 4, proc.stdout[-6000:]
+def results(proc, out, case=None):
+    return worker_results(proc, out, "comm", case=case)
+
+
+OVERRIDE = register("mpirun-2x2", "collectives", "comm_worker", "--backends", "mpi,gloo,auto")
+RING = register("mpirun-2x2", "async-ring", "ring_worker")
+HOROVOD_UNDER_MPIRUN = register("mpirun-2x2", "collectives-horovod", "comm_worker", "--backends", "horovod",
+                                "--ranks-per-node", "2")
 
 
 @needs_mpirun
-def test_mpirun_override(tmp_path):
+def test_mpirun_override(shared_launch):
     """mpirun puts all 4 ranks on one host: PRUNEX_RANKS_PER_NODE=2 makes them 2 emulated nodes."""
-    proc = run(mpirun(4, python_cmd("comm_worker.py", "--backends", "mpi,gloo,auto", "--out", str(tmp_path)),
-                      env_vars=["PRUNEX_RANKS_PER_NODE"]), env={"PRUNEX_RANKS_PER_NODE": "2"})
-    _ok(proc)
-    check_results(tmp_path, ["mpi", "gloo", "auto"], accounted_as={"auto": "mpi"})
+    check_results(results(*shared_launch("mpirun-2x2"), OVERRIDE), ["mpi", "gloo", "auto"],
+                  accounted_as={"auto": "mpi"})
 
 
 @needs_mpirun
 @needs_horovod
-def test_mpirun_horovod_backend(tmp_path):
-    proc = run(mpirun(4, python_cmd("comm_worker.py", "--backends", "horovod", "--ranks-per-node", "2",
-                                    "--out", str(tmp_path))))
-    _ok(proc)
-    check_results(tmp_path, ["horovod"])
+def test_mpirun_horovod_backend(shared_launch):
+    check_results(results(*shared_launch("mpirun-2x2"), HOROVOD_UNDER_MPIRUN), ["horovod"])
 
 
 @needs_horovod
@@ -103,9 +100,9 @@ def test_horovodrun_gloo_two_hosts(tmp_path):
     """horovodrun --gloo with two host names for one machine: Horovod itself reports 2 nodes × 2."""
     proc = run(horovodrun(4, "localhost:2,127.0.0.1:2",
                           python_cmd("comm_worker.py", "--backends", "gloo,horovod,auto", "--out", str(tmp_path))))
-    _ok(proc)
-    check_results(tmp_path, ["gloo", "horovod", "auto"], accounted_as={"auto": "gloo"})
-    grouping = json.loads((tmp_path / "rank0.json").read_text())["topology"]["grouping"]
+    ranks = results(proc, tmp_path)
+    check_results(ranks, ["gloo", "horovod", "auto"], accounted_as={"auto": "gloo"})
+    grouping = ranks[0]["topology"]["grouping"]
     assert grouping == "horovod-cross-rank"
 
 
@@ -115,15 +112,13 @@ def test_horovodrun_mpi(tmp_path):
     proc = run(horovodrun(4, "localhost:4", python_cmd("comm_worker.py", "--backends", "mpi,horovod",
                                                        "--ranks-per-node", "2", "--out", str(tmp_path)),
                           controller="mpi"))
-    _ok(proc)
-    check_results(tmp_path, ["mpi", "horovod"])
+    check_results(results(proc, tmp_path), ["mpi", "horovod"])
 
 
 def test_torchrun(tmp_path):
     proc = run(torchrun(4, python_cmd("comm_worker.py", "--backends", "gloo", "--out", str(tmp_path))),
                env={"PRUNEX_RANKS_PER_NODE": "2"})
-    _ok(proc)
-    check_results(tmp_path, ["gloo"])
+    check_results(results(proc, tmp_path), ["gloo"])
 
 
 @needs_mpirun
@@ -134,21 +129,23 @@ def test_nccl(tmp_path):
     if n >= 4:
         proc = run(mpirun(4, python_cmd("comm_worker.py", "--backends", "nccl,auto", "--device", "cuda",
                                         "--ranks-per-node", "2", "--out", str(tmp_path))))
-        _ok(proc)
-        check_results(tmp_path, ["nccl", "auto"], accounted_as={"auto": "nccl"})
+        check_results(results(proc, tmp_path), ["nccl", "auto"], accounted_as={"auto": "nccl"})
     else:
         # one GPU: NCCL refuses two ranks on one device, so run the nccl groups with one rank for real
         proc = run(mpirun(1, python_cmd("comm_worker.py", "--backends", "nccl", "--device", "cuda")))
         assert proc.returncode == 0 and "] ok rank" in proc.stdout, proc.stdout[-6000:]
 
 
-RACK_ENV = ["PRUNEX_RANKS_PER_NODE=2", "PRUNEX_NODES_PER_RACK=2"]
+RACK_CASES = {"mpi": register("mpirun-racks", "rack-groups-mpi", "rack_worker", "--backend", "mpi"),
+              "gloo": register("mpirun-racks", "rack-groups-gloo", "rack_worker", "--backend", "gloo"),
+              "horovod": register("horovodrun-racks", "rack-groups-horovod", "rack_worker", "--backend", "horovod")}
 
 
-def check_rack_results(proc, out):
+def check_rack_results(launched, backend):
     """Every rank's rack and spine groups, and the bytes that crossed racks: only the spine's allreduce and the
     world ring's two hops between racks (ranks 3 and 7) leave a rack."""
-    results = worker_results(proc, out, "rack", ranks=8)
+    proc, out = launched
+    results = worker_results(proc, out, "rack", ranks=8, case=RACK_CASES[backend])
     nbytes = 4000
     for r, res in enumerate(results):
         assert res["members"].get("rack") == {0: [0, 2], 2: [0, 2], 4: [4, 6], 6: [4, 6]}.get(r)
@@ -161,26 +158,20 @@ def check_rack_results(proc, out):
 
 @needs_mpirun
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
-def test_rack_groups_under_mpirun(tmp_path, backend):
-    proc = run(mpirun(8, python_cmd("rack_worker.py", "--backend", backend, "--out", str(tmp_path)), RACK_ENV),
-               timeout=240)
-    check_rack_results(proc, tmp_path)
+def test_rack_groups_under_mpirun(shared_launch, backend):
+    check_rack_results(shared_launch("mpirun-racks"), backend)
 
 
 @needs_horovod
-def test_rack_groups_under_horovodrun(tmp_path):
-    proc = run(horovodrun(8, "localhost:4,127.0.0.1:4", python_cmd("rack_worker.py", "--backend", "horovod",
-                                                                    "--out", str(tmp_path))),
-               env=dict(e.split("=") for e in RACK_ENV), timeout=300)
-    check_rack_results(proc, tmp_path)
+def test_rack_groups_under_horovodrun(shared_launch):
+    check_rack_results(shared_launch("horovodrun-racks"), "horovod")
 
 
 @needs_mpirun
-def test_mpi_async_allreduce_is_a_polled_ring(tmp_path):
+def test_mpi_async_allreduce_is_a_polled_ring(shared_launch):
     """MPI's async allreduce (the overlapped round's exchange) runs as a ring of polled sends and receives:
     on 4, 2 and 2 members, every dtype and op, lengths from 0 up, it gives every member the same result, the
     blocking allreduce's bits where one order of adds is all there is, and two in flight at once while another
     group runs blocking collectives."""
-    proc = run(mpirun(4, python_cmd("ring_worker.py", "--out", str(tmp_path))))
-    results = worker_results(proc, tmp_path, "ring")
-    assert [r["checks"] for r in results] == [198, 132, 198, 132]
+    proc, out = shared_launch("mpirun-2x2")
+    assert [r["checks"] for r in worker_results(proc, out, "ring", case=RING)] == [198, 132, 198, 132]

@@ -9,7 +9,7 @@ from launching import BIN, have_horovod, mpirun, needs_mpirun, run, torchrun
 
 pytestmark = [pytest.mark.launch, needs_mpirun]
 
-EPOCHS = 8
+EPOCHS = 3
 COMMON = ["--model", "resnet_small", "--dataset", "digits", "--image-size", "8", "--epochs", str(EPOCHS),
           "--batch-size", "16", "--lr", "0.05", "--rho1", "0.05", "--rho2", "0.05", "--local-steps", "11",
           "--freeze-round", "4",   # a short run needs the nodes coupled: rho2 = rho1, two rounds an epoch

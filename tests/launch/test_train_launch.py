@@ -94,7 +94,8 @@ def test_a_vit_with_heads_and_neurons_resumes_bit_for_bit(tmp_path):
     an uninterrupted run ends; half of every module's heads are gone in the final model."""
     settings = tmp_path / "settings.json"
     settings.write_text(json.dumps({"augment": "none"}))   # a setting without a flag of its own
-    vit = ["--model", "vit_tiny", "--sparsity", "head:0.5+neuron:0.5", "--coupled", "--config", str(settings)]
+    vit = ["--model", "vit_tiny", "--sparsity", "head:0.5+neuron:0.5", "--coupled", "--config", str(settings),
+           "--epochs", "2"]
     ref = tmp_path / "ref"
     done = train(ref, *vit, "--checkpoint-every", "0")
     assert done.returncode == 0, done.stdout[-4000:]
@@ -110,16 +111,13 @@ def test_a_vit_with_heads_and_neurons_resumes_bit_for_bit(tmp_path):
         assert sum(bool(proj[:, h * 32:(h + 1) * 32].any()) for h in range(4)) == 2
 
 
-@pytest.mark.parametrize("fold,freeze", [("on", "0"), ("7", "0"), ("7", "3")],
-                         ids=["fold-after-a-quarter", "fold-at-the-next-round", "after-freeze-fold-at-the-next-round"])
-def test_overlapped_resume_equals_uninterrupted(tmp_path, fold, freeze):
+def test_overlapped_resume_equals_uninterrupted(tmp_path):
     """overlap: the sliced run, checkpointed every round and stopped after round 4, ends bit for bit where an
     uninterrupted run without checkpoints ends: checkpoints do not change an overlapped run. Rounds overlap once
-    the masks are frozen: with the masks chosen at the start, every round. Folded at the next round (7 steps a
-    round), each checkpoint is taken with a round in flight and records it (its exchange completed, not folded
-    in); folded after a quarter round, a checkpoint comes at the fold. Frozen after round 3, rounds 1-3 block and
-    round 4 is in flight when the run stops."""
-    flags = ["--overlap", fold, "--freeze-round", freeze]
+    the masks are frozen (after round 3 here: rounds 1-3 block); folded at the next round (7 steps a round), each
+    checkpoint from round 4 on is taken with a round in flight and records it (its exchange completed, not folded
+    in). The thread tier resumes every other point of a flight bit for bit (test_engine_threads.py)."""
+    flags = ["--overlap", "7", "--freeze-round", "3"]
     ref = tmp_path / "ref"
     assert train(ref, *flags, "--checkpoint-every", "0").returncode == 0
     out = tmp_path / "sliced"
@@ -127,7 +125,7 @@ def test_overlapped_resume_equals_uninterrupted(tmp_path, fold, freeze):
     assert first.returncode == 0 and "stopped after round 4" in first.stdout, first.stdout[-4000:]
     tag = json.loads((out / "checkpoint.json").read_text())["tag"]
     state = torch.load(out / "ckpt" / f"tag{tag:08d}.rank00000.pt", weights_only=False)
-    assert ("in_flight" in state["state"]["optimizer"]["prunex"]) == (fold == "7")   # round 4 is overlapped
+    assert "in_flight" in state["state"]["optimizer"]["prunex"]   # round 4 is overlapped
     again = train(out, *flags, "--checkpoint-every", "1", "--resume")
     assert again.returncode == 0, again.stdout[-4000:]
     assert_same_run(ref, out)
@@ -157,7 +155,7 @@ def test_checkpoint_of_another_job_is_refused_on_every_rank_and_a_changed_settin
 @needs_horovod
 def test_horovodrun_gloo_two_host_names(tmp_path):
     out = tmp_path / "hvd"
-    cmd = [str(BIN / "prunex-hvd"), "train", *ARGS, "--epochs", "1", "--backend", "horovod", "--out", str(out)]
+    cmd = [str(BIN / "prunex-hvd"), "train", *ARGS, "--epochs", "1", "--out", str(out)]
     proc = run(horovodrun(4, "localhost:2,127.0.0.1:2", cmd), timeout=300)
     assert proc.returncode == 0, proc.stdout[-6000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -9,7 +9,6 @@ On an error, prints "[rank R] prunex_hvd error: ..." and exits 3 (the bad-launch
 on every rank: they stay in step), writing the error caught to OUT/CASE/error.rank{R}.txt, then goes on as
 without it (``init`` with the other arguments, which must still work after those failures)."""
 import argparse
-import json
 import os
 import sys
 import time
@@ -17,6 +16,7 @@ import traceback
 
 import torch
 
+import worker_io
 from worker_io import assert_close
 
 
@@ -170,9 +170,9 @@ def main():
         time.sleep(8)
         sys.exit(3)
     if a.out:
-        with open(os.path.join(a.out, f"rank{topo.rank}.json"), "w") as f:
-            json.dump(result, f)
-    print(f"[rank {topo.rank}] ok {topo}", flush=True)
+        worker_io.report(a.out, topo.rank, result, len(result["backends"]))
+    else:
+        print(f"[rank {topo.rank}] ok {topo}", flush=True)
 
 
 if __name__ == "__main__":

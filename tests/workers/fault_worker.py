@@ -1,7 +1,7 @@
 """Faults injected for real into one rank of a job: `prunex-hvd train` itself, with one hook on the faulty rank.
 
     mpirun -np 4 python fault_worker.py --fault kill|stop|nan --rank R --round K --out DIR -- train ARGS...
-    mpirun -np 4 python fault_worker.py --fault uneven --rank R --out DIR
+    mpirun -np 4 python fault_worker.py --fault uneven --uneven NAME:R[:node-sync],... --out DIR
 
 kill  rank R sends itself SIGKILL in consensus round K, after the round's first collective (mid-round)
 stop  rank R sends itself SIGSTOP there instead (a stalled rank: its process is alive, it never arrives)
@@ -9,9 +9,10 @@ kill-in-flight  with --overlap: rank R sends itself SIGKILL in the first local s
       while round K's inter-node exchange is in flight
 nan   one input batch of rank R, in the local steps just before round K, is NaN: θ and the BatchNorm statistics
       of that rank turn NaN through a real forward/backward/step, and round K meets them
-uneven  no training CLI: rank R's data shard holds one more batch, every rank steps through its shard and calls
-      consensus() at the end of the epoch (ranks at different step counts); --node-sync: with the recipe's
-      node_sync (a node's ranks average their gradients every step), else every rank steps alone
+uneven  no training CLI: in each case NAME of --uneven, rank R's data shard holds one more batch, every rank
+      steps through its shard and calls consensus() at the end of the epoch (ranks at different step counts);
+      with node-sync the recipe's node_sync (a node's ranks average their gradients every step), else every rank
+      steps alone
 
 The faulty rank writes OUT/fault.pid (its pid) before the fault, so the test can clean up a stopped process.
 """
@@ -81,29 +82,35 @@ def inject(fault: str, at_round: int, out: str) -> None:
         data.ShardedLoader.batches = poisoned
 
 
-def uneven(out: str, odd_rank: int, node_sync: bool) -> None:
-    """Per-epoch consensus over shards of different lengths: every rank must refuse round 1, naming the counts."""
+def uneven(out: str, cases: list) -> None:
+    """Per-epoch consensus over shards of different lengths, for each (name, odd rank, node_sync) of ``cases`` in
+    turn, one job: every rank must refuse round 1, naming the counts; each rank writes the error it caught to
+    OUT/NAME/error.rank{R}.txt and goes on to the next case (the refusal is agreed: the ranks stay in step)."""
     from torch import nn
 
     import prunex_hvd as px
     topo = px.init()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
-    opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, sparsity="channel:0.5",
-                                  local_steps=1000, rho1=0.01, rho2=0.01, node_sync=node_sync)
-    batches = 5 + (topo.rank == odd_rank)
-    try:   # with node_sync the odd rank's extra step meets its node's round, and is refused there
-        for _ in range(batches):
-            opt.zero_grad()
-            model(torch.randn(4, 1, 8, 8)).pow(2).mean().backward()
-            opt.step()
-        opt.consensus()
-    except RuntimeError as exc:
-        with open(os.path.join(out, f"error.rank{topo.rank}.txt"), "w") as f:
-            f.write(f"[rank {topo.rank}] prunex_hvd error: {exc}")
-        print(f"[rank {topo.rank}] prunex_hvd error: {exc}", flush=True)
-        sys.exit(3)
-    worker_io.report(out, topo.rank, {"round": opt.rounds_done()}, 0)
+    for name, odd_rank, node_sync in cases:
+        folder = os.path.join(out, name)
+        os.makedirs(folder, exist_ok=True)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.AdaptiveAvgPool2d(1),
+                              nn.Flatten())
+        opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, sparsity="channel:0.5",
+                                      local_steps=1000, rho1=0.01, rho2=0.01, node_sync=node_sync)
+        batches = 5 + (topo.rank == odd_rank)
+        try:   # with node_sync the odd rank's extra step meets its node's round, and is refused there
+            for _ in range(batches):
+                opt.zero_grad()
+                model(torch.randn(4, 1, 8, 8)).pow(2).mean().backward()
+                opt.step()
+            opt.consensus()
+        except RuntimeError as exc:
+            with open(os.path.join(folder, f"error.rank{topo.rank}.txt"), "w") as f:
+                f.write(f"[rank {topo.rank}] prunex_hvd error: {exc}")
+        else:
+            raise AssertionError(f"case {name}: rank {topo.rank} completed round {opt.rounds_done()}")
+    worker_io.report(out, topo.rank, {"cases": [c[0] for c in cases]}, len(cases))
 
 
 def main():
@@ -111,13 +118,14 @@ def main():
     train_args = argv[argv.index("--") + 1:] if "--" in argv else []
     ap = argparse.ArgumentParser()
     ap.add_argument("--fault", required=True, choices=("kill", "kill-in-flight", "stop", "nan", "uneven"))
-    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--rank", type=int, default=-1)
     ap.add_argument("--round", type=int, default=2)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--node-sync", action="store_true")
+    ap.add_argument("--uneven", default="", metavar="NAME:R[:node-sync],...", help="the cases of --fault uneven")
     a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if a.fault == "uneven":
-        return uneven(a.out, a.rank, a.node_sync)
+        return uneven(a.out, [(name, int(rank), bool(sync)) for name, rank, *sync in
+                              (case.split(":") for case in a.uneven.split(","))])
     if launch_rank() == a.rank:
         inject(a.fault, a.round, a.out)
     from prunex_hvd.app import cli

@@ -2,7 +2,11 @@
 (or one of them left out). The script does what Horovod scripts do around the wrap: broadcast_parameters,
 broadcast_optimizer_state after it (as Horovod's ImageNet example), a metric averaged with hvd.allreduce, and
 it trains two rounds. Writes OUT/rank{R}.json with the topology, the steps and rounds counted and the final
-model's digest, or, when the order is one PruneX refuses, "[rank R] hvd-order worker error: ..."."""
+model's digest, or, when the order is one PruneX refuses, "[rank R] hvd-order worker error: ...".
+
+``--refused-first ORDER`` first makes the calls of an order PruneX refuses and the wrap (each rank prints
+"[rank R] refused: ..." with the error it caught), then goes on with ``--order`` in the same process: a refusal
+leaves nothing behind."""
 import argparse
 import hashlib
 import os
@@ -28,14 +32,7 @@ ORDERS = {   # name: (calls before the wrap, in order; the wrapper's backend)
 }
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--order", required=True, choices=sorted(ORDERS))
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    import horovod.torch as hvd
-    import prunex_hvd as px
-    calls, backend = ORDERS[a.order]
+def init_in_order(hvd, px, calls):
     for call in calls:
         if call == "hvd":
             hvd.init()
@@ -45,6 +42,33 @@ def main():
             px.init()
         else:
             px.init(backend="horovod")
+
+
+def refused(hvd, px, order):
+    calls, backend = ORDERS[order]
+    model = toy_cnn(0)
+    try:
+        init_in_order(hvd, px, calls)
+        px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, sparsity="channel:0.5",
+                                local_steps=2, backend=backend)
+    except Exception as exc:  # noqa: BLE001 - the parent test checks the message
+        print(f"[rank {os.environ['HOROVOD_RANK']}] refused: {type(exc).__name__}: {exc}", flush=True)
+    else:
+        raise AssertionError(f"{order} was not refused")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--order", required=True, choices=sorted(ORDERS))
+    ap.add_argument("--refused-first", default=None, choices=sorted(ORDERS))
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    import horovod.torch as hvd
+    import prunex_hvd as px
+    if a.refused_first:
+        refused(hvd, px, a.refused_first)
+    calls, backend = ORDERS[a.order]
+    init_in_order(hvd, px, calls)
     rank = int(os.environ["HOROVOD_RANK"])
     model = toy_cnn(rank)   # different weights on every rank: broadcast_parameters (or the wrap) makes them equal
     if calls:

@@ -6,12 +6,15 @@ import sys
 import time
 import traceback
 
+# the case of a launch that runs several (tests/workers/sequence.py sets it): named in the "ok" line
+CASE = None
+
 
 def report(out: str, rank: int, result: dict, checks: int) -> None:
-    """Write OUT/rank{R}.json and the "ok" line the parent counts."""
+    """Write OUT/rank{R}.json and the "ok" line the parent counts (naming the :data:`CASE`, if any)."""
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    print(f"[rank {rank}] ok checks={checks}", flush=True)
+    print(f"[rank {rank}] ok checks={checks}" + (f" case={CASE}" if CASE else ""), flush=True)
 
 
 def run(main, name: str) -> None:
