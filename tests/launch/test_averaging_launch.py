@@ -3,7 +3,7 @@ step against the single-process reference in tests/workers/averaging_worker.py, 
 the ring model (world ring 0→1→2→3→0: ranks 1 and 3 send across nodes; a node's ring stays inside it)."""
 import pytest
 
-from launching import horovodrun, needs_horovod, needs_mpirun, python_cmd, run, worker_results
+from launching import needs_mpirun, worker_results
 from shared_launches import register
 
 pytestmark = pytest.mark.launch
@@ -38,18 +38,13 @@ def check_bytes(results):
             assert ledger["intra"]["cross_node_bytes"] == 0 and ledger["intra"]["ops"] == NODE_ROUNDS
 
 
-CASE = register("mpirun-2x2", "rivals", "averaging_worker", "--methods", ",".join(METHODS))
+CASE = {backend: register("mpirun-2x2", f"rivals-{backend}", "averaging_worker", "--backend", backend,
+                          "--methods", ",".join(METHODS)) for backend in ("mpi", "gloo")}
 
 
 @needs_mpirun
-def test_rivals_match_the_reference_under_mpirun(shared_launch):
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_rivals_match_the_reference_under_mpirun(shared_launch, backend):
+    """Over MPI's and over torch.distributed's Gloo groups (what ``auto`` picks under horovodrun)."""
     proc, out = shared_launch("mpirun-2x2")
-    check_bytes(worker_results(proc, out, "averaging", case=CASE))
-
-
-@needs_horovod
-def test_rivals_match_the_reference_under_horovodrun(tmp_path):
-    proc = run(horovodrun(4, "localhost:2,127.0.0.1:2",
-                          python_cmd("averaging_worker.py", "--methods", ",".join(METHODS), "--out", str(tmp_path))),
-               timeout=300)
-    check_bytes(worker_results(proc, tmp_path, "averaging"))
+    check_bytes(worker_results(proc, out, "averaging", case=CASE[backend]))
