@@ -214,6 +214,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if engine is None:
             raise ValueError("this state dict has no 'prunex' engine state: save it with the wrapped optimizer's "
                              "state_dict()")
+        engine = dict(engine)
+        # every rank checks that the state is its own before anything is loaded; any rank's refusal is all ranks'
+        agreement.call_agreed(runtime.state()[1], self._engine.state.check_owner, engine)
         super(self.__class__, self).load_state_dict(state_dict)
         self._step_count_local = int(engine.pop("local_steps_done"))
         self._engine.load_state_dict(engine)

@@ -149,8 +149,28 @@ class ConsensusState:
             b.copy_(avg)
 
     # -- save and load --------------------------------------------------------------------------------------
+    def owner(self) -> dict:
+        """Whose state this is: each rank holds its own duals (u, z_i), so a state loads on its own rank only."""
+        return {"rank": self.topo.rank, "size": self.topo.size,
+                "node_ranks": [list(ranks) for ranks in self.topo.node_ranks]}
+
+    def check_owner(self, sd: dict) -> None:
+        """A ``ValueError`` saying what to do unless ``sd`` was saved by this rank of a job laid out as this one
+        (a state without an owner, saved before states carried one, is taken as it is)."""
+        saved, mine = sd.get("owner"), self.owner()
+        if saved is None or saved == mine:
+            return
+        if (saved["size"], saved["node_ranks"]) != (mine["size"], mine["node_ranks"]):
+            raise ValueError(f"this optimizer state was saved by a job of {saved['size']} ranks as nodes "
+                             f"{saved['node_ranks']}, this job is {mine['size']} ranks as nodes {mine['node_ranks']}: "
+                             "resume with the same ranks and nodes")
+        raise ValueError(f"this optimizer state is rank {saved['rank']}'s, loaded on rank {mine['rank']}: each rank "
+                         "holds its own duals (u, z_i), so save the state on every rank and load each rank's own "
+                         "file, e.g. torch.save(opt.state_dict(), f'opt.rank{hvd.rank()}.pt')")
+
     def state_dict(self) -> dict:
         return {
+            "owner": self.owner(),
             "round": self.round, "frozen": self.frozen, "stable_rounds": self.stable_rounds,
             "mask_drift": self.mask_drift,
             "entries": {e.name: {"u": e.u.clone(), "z_i": e.z_i.clone(), "v": e.v.clone(), "z": e.z.clone(),

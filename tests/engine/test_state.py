@@ -53,3 +53,20 @@ def test_the_tiers_follow_the_topology_and_the_payload():
     assert [e.name for e in s.structured] == ["0.weight", "3.weight"]
     assert all(bool(e.rows.all()) and bool(e.cols.all()) for e in s.structured)   # masks start all ones
     assert torch.equal(s.entries[0].z, chain()[0].weight.detach())
+
+
+def test_a_state_says_whose_it_is_and_loads_only_there():
+    """Each rank holds its own duals: a state saved on rank 1 of 2 nodes × 2 is refused on rank 0 (Horovod's habit
+    of saving on rank 0 and loading everywhere would otherwise resume every rank with rank 0's u and z_i), and
+    on a job laid out otherwise; on its own rank, or without an owner (saved before states had one), it loads."""
+    saved = make_state(topo=topology(2, 2, rank=1)).state_dict()
+    assert saved["owner"] == {"rank": 1, "size": 4, "node_ranks": [[0, 1], [2, 3]]}
+    make_state(topo=topology(2, 2, rank=1)).check_owner(saved)
+    with pytest.raises(ValueError, match=r"rank 1's, loaded on rank 0: each rank holds its own duals \(u, z_i\), so "
+                                         r"save the state on every rank and load each rank's own file"):
+        make_state(topo=topology(2, 2, rank=0)).check_owner(saved)
+    with pytest.raises(ValueError, match=r"saved by a job of 4 ranks as nodes \[\[0, 1\], \[2, 3\]\], this job is 4 "
+                                         r"ranks as nodes \[\[0\], \[1\], \[2\], \[3\]\]: resume with the same"):
+        make_state(topo=topology(4, 1, rank=1)).check_owner(saved)
+    legacy = {k: v for k, v in saved.items() if k != "owner"}
+    make_state(topo=topology(2, 2, rank=0)).check_owner(legacy)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from launching import horovodrun, needs_horovod, python_cmd, run, torchrun, worker_results
+from launching import horovodrun, needs_horovod, needs_mpirun, python_cmd, run, torchrun, worker_results
+from shared_launches import register
 
 pytestmark = pytest.mark.launch
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -75,3 +76,29 @@ def test_torchrun_ddp_example_runs_an_epoch(tmp_path):
     import torch
     state = torch.load(tmp_path / "model.pt")
     assert not any(k.startswith("_orig_mod") for k in state)
+
+
+RESUME = register("mpirun-2x2", "resume-own-state", "resume_worker", "--backend", "mpi")
+
+
+def check_resume(proc, out, case=None):
+    """Rank 0's state loaded everywhere: refused on every rank, saying what to do; each rank's own: taken (the
+    worker checks it equals what was saved), and the job trained on to its second round."""
+    results = worker_results(proc, out, "resume", case=case)
+    assert [r["rounds"] for r in results] == [2] * 4
+    folder = out / case if case else out
+    for r in range(4):
+        text = (folder / f"error.rank{r}.txt").read_text()
+        assert "this optimizer state is rank 0's, loaded on rank" in text, text
+        assert "save the state on every rank and load each rank's own file" in text, text
+
+
+@needs_mpirun
+def test_a_state_saved_on_rank_0_is_refused_everywhere_and_each_rank_s_own_loads_under_mpirun(shared_launch):
+    check_resume(*shared_launch("mpirun-2x2"), RESUME)
+
+
+@needs_horovod
+def test_a_state_saved_on_rank_0_is_refused_everywhere_and_each_rank_s_own_loads_under_horovodrun(tmp_path):
+    proc = run(horovodrun(4, HOSTS, python_cmd("resume_worker.py", "--out", str(tmp_path))), timeout=240)
+    check_resume(proc, tmp_path)
