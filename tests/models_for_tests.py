@@ -1,4 +1,4 @@
-"""Small models shared by the one-process tests."""
+"""Small models shared by the tests, and a few steps of training for them."""
 import torch
 import torch.nn as nn
 
@@ -9,3 +9,13 @@ def toy_cnn(seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                          nn.Conv2d(8, 6, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4))
+
+
+def toy_train(model, opt, steps, seed=1):
+    """``steps`` steps of ``opt`` on random 6×6 batches of 8 for :func:`toy_cnn` (its own generator: ``seed``)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import prunex_hvd as px
-from models_for_tests import toy_cnn
+from models_for_tests import toy_cnn, toy_train as train
 
 
 pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
@@ -24,15 +24,6 @@ def make(seed=0, **kw):
     opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
                                   px.ConsensusConfig.paper(restart="global"), **args)
     return model, opt
-
-
-def train(model, opt, steps, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
 
 
 def test_wrapped_optimizer_is_still_the_users_class():

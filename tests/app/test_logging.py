@@ -6,10 +6,9 @@ import sys
 
 import pytest
 import torch
-import torch.nn as nn
 
 import prunex_hvd as px
-from models_for_tests import toy_cnn
+from models_for_tests import toy_cnn, toy_train as train
 
 pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
 
@@ -19,15 +18,6 @@ def make():
     opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, sparsity="channel:0.5",
                                   local_steps=2, rho1=0.05, rho2=0.01, freeze_round=2, channel_budget="layer")
     return model, opt
-
-
-def train(model, opt, steps):
-    g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
 
 
 def test_freezing_rho_changes_and_refused_rounds_are_logged(caplog):

@@ -9,21 +9,11 @@ import os
 import sys
 
 import torch
-import torch.nn as nn
 
 import worker_io
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models_for_tests import toy_cnn  # noqa: E402
-
-
-def steps(model, opt, rank, n):
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(n):
-        x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+from models_for_tests import toy_cnn, toy_train  # noqa: E402
 
 
 def engine_tensors(opt):
@@ -41,7 +31,7 @@ def main():
     model = toy_cnn(topo.rank)
     opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
                                   sparsity="channel:0.5", local_steps=2, backend=a.backend)
-    steps(model, opt, topo.rank, 2)
+    toy_train(model, opt, 2, seed=topo.rank)
     own = os.path.join(a.out, f"opt.rank{topo.rank}.pt")
     torch.save(opt.state_dict(), own)
     if topo.rank == 0:
@@ -60,7 +50,7 @@ def main():
     opt.load_state_dict(torch.load(own))
     if any(not torch.equal(t, saved[k]) for k, t in engine_tensors(opt).items()):
         raise AssertionError("a rank's own state did not load as saved")
-    steps(model, opt, topo.rank, 2)
+    toy_train(model, opt, 2, seed=topo.rank)
     worker_io.report(a.out, topo.rank, {"rounds": opt.rounds_done()}, 1)
 
 
