@@ -78,7 +78,9 @@ class StepHooks:
         """``node_sync``: every gradient averaged over the node's ranks (one allreduce per bucket on the fast
         links), before the proximal term is added. The node's ranks share θ, u and z_i, so they then take the
         same step: the node is one data-parallel worker. A parameter with no gradient on this rank counts as
-        zero in the mean, and gets the mean when that is not zero (so the node's ranks step it alike).
+        zero in the mean; whether any rank of the node has one rides along (a flag per parameter in the last
+        bucket, as DDP's map of used parameters): if one has, every rank steps it with the mean, zero or not, and
+        if none has, none does, so a missing gradient and a zero one are treated alike.
 
         Once the masks are frozen only each structured weight's kept block travels: the pruned entries'
         gradients are masked right after anyway, so they come back 0 without being sent, and the node's links
@@ -89,11 +91,13 @@ class StepHooks:
             return
         self.guard(IN_STEP, steps)
         s, compact = self.state, self.masks.retraining
-        if self.grad_buckets is None:   # made again at the freeze (and on a load)
-            self.grad_buckets = BucketLayout([e.compact_numel() if compact else e.param.numel() for e in s.entries],
-                                       s.dtype, s.device, s.bucket_bytes)
+        if self.grad_buckets is None:   # made again at the freeze (and on a load); the last view: the flags
+            self.grad_buckets = BucketLayout([e.compact_numel() if compact else e.param.numel() for e in s.entries]
+                                             + [len(s.entries)], s.dtype, s.device, s.bucket_bytes)
+        has_grad = self.grad_buckets.views[len(s.entries)]
         for k, e in enumerate(s.entries):   # a missing gradient counts as zero in the mean
             view = self.grad_buckets.views[k]
+            has_grad[k] = e.param.grad is not None
             if e.param.grad is None:
                 view.zero_()
             elif compact and e.structured:
@@ -106,7 +110,7 @@ class StepHooks:
         for k, e in enumerate(s.entries):
             mean = self.grad_buckets.views[k]
             if e.param.grad is None:
-                if not torch.count_nonzero(mean):   # the same test on every rank of the node: the mean is shared
+                if not has_grad[k]:   # no rank of the node has one: the flags' mean is shared, so none steps it
                     continue
                 e.param.grad = torch.empty_like(e.param)
             if compact and e.structured:

@@ -359,12 +359,12 @@ def test_node_sync_steps_match_the_reference(layout, knobs):
     compact = sum(e.compact_numel() for e in eng.entries)
     assert eng.frozen and compact < full
     frozen_rounds = sum(runs[0]["before"][rnd]["frozen"] for rnd in range(cases.ROUNDS))
-    sent = sum(rec.payload_bytes for rec in syncs) // 4   # float32
+    sent = sum(rec.payload_bytes for rec in syncs) // 4   # float32, with a has-a-gradient flag per parameter
     assert frozen_rounds == 1 and sent == len(runs) * cases.LOCAL_STEPS * (
-        (cases.ROUNDS - frozen_rounds) * full + frozen_rounds * compact)
+        (cases.ROUNDS - frozen_rounds) * full + frozen_rounds * compact + cases.ROUNDS * len(eng.entries))
     # one allreduce per bucket a step: the full layout's buckets, then the compact one's (the engine's last)
-    full_buckets = len(BucketLayout([e.param.numel() for e in eng.entries], eng.state.dtype, eng.state.device,
-                                    eng.state.bucket_bytes).buffers)
+    full_buckets = len(BucketLayout([e.param.numel() for e in eng.entries] + [len(eng.entries)], eng.state.dtype,
+                                    eng.state.device, eng.state.bucket_bytes).buffers)
     assert len(syncs) == len(runs) * cases.LOCAL_STEPS * (
         (cases.ROUNDS - frozen_rounds) * full_buckets + frozen_rounds * len(eng.steps.grad_buckets.buffers))
     for rank, run in zip(cluster, runs):   # counted in the engine's intra bytes, beside the rounds' own
@@ -400,6 +400,25 @@ def test_node_sync_gives_a_missing_gradient_the_nodes_mean():
     assert torch.equal(grads[0][0], torch.full((2, 3), 1.5)) and torch.equal(grads[1][0], grads[0][0])   # (0 + 3) / 2
     assert torch.equal(grads[0][2], torch.full((2, 2), 1.0)) and torch.equal(grads[1][2], grads[0][2])   # (2 + 0) / 2
     assert all(g[i] is None for g in grads for i in (1, 3, 4, 5))   # biases, and the layer nobody used
+
+
+def test_node_sync_treats_a_missing_gradient_and_a_zero_one_alike():
+    """One rank has no gradient for a parameter, the other an exactly zero one: both step it, with the mean (0),
+    so weight decay and momentum move it alike on both and the node keeps one θ; stepped alone, one rank would
+    skip it and the other not."""
+    models = [nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)) for _ in range(2)]
+    config = ConsensusConfig.paper(sparsity="dense", node_sync=True)
+    structure = Structure.resolve(models[0], config)
+
+    def rank_run(rank):
+        model = models[rank.topo.rank]
+        eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
+        for p in model.parameters():
+            p.grad = None if rank.topo.rank == 0 else torch.zeros_like(p)
+        eng.sync_node_grads()
+        return [p.grad for p in model.parameters()]
+    grads = run_ranks(1, 2, rank_run)
+    assert all(g is not None and not g.any() for rank in grads for g in rank), grads
 
 
 def chain_engines(**knobs):
