@@ -380,23 +380,31 @@ def test_node_sync_without_it_is_local():
     assert not any(rec.tag == "node-sync" for rank in cluster for rec in rank.ledger.records)
 
 
-def test_node_sync_gives_a_missing_gradient_the_nodes_mean():
-    """A parameter one rank did not use (grad None) takes the node's mean, so both ranks step it alike; one
-    no rank used stays without a gradient (the optimizer skips it, as without node_sync)."""
-    models = [nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2), nn.Linear(2, 2)) for _ in range(2)]
+def node_synced_grads(layers, set_grads):
+    """One node of 2 ranks, each with a chain of ``layers`` linear layers (node_sync, dense): ``set_grads(model,
+    rank)`` sets this rank's gradients, then the node syncs them. Each rank's gradients after, None where none."""
+    models = [nn.Sequential(nn.Linear(3, 2), *(nn.Linear(2, 2) for _ in range(layers - 1))) for _ in range(2)]
     config = ConsensusConfig.paper(sparsity="dense", node_sync=True)
     structure = Structure.resolve(models[0], config)
 
     def rank_run(rank):
         model = models[rank.topo.rank]
         eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
-        for p in model.parameters():
-            p.grad = None
-        head = model[0] if rank.topo.rank == 1 else model[1]   # rank 0 uses layer 1, rank 1 only layer 0
-        head.weight.grad = torch.full_like(head.weight, 2.0 + rank.topo.rank)
+        set_grads(model, rank.topo.rank)
         eng.sync_node_grads()
         return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-    grads = run_ranks(1, 2, rank_run)
+    return run_ranks(1, 2, rank_run)
+
+
+def test_node_sync_gives_a_missing_gradient_the_nodes_mean():
+    """A parameter one rank did not use (grad None) takes the node's mean, so both ranks step it alike; one
+    no rank used stays without a gradient (the optimizer skips it, as without node_sync)."""
+    def one_layer_each(model, rank):
+        for p in model.parameters():
+            p.grad = None
+        head = model[0] if rank == 1 else model[1]   # rank 0 uses layer 1, rank 1 only layer 0
+        head.weight.grad = torch.full_like(head.weight, 2.0 + rank)
+    grads = node_synced_grads(3, one_layer_each)
     assert torch.equal(grads[0][0], torch.full((2, 3), 1.5)) and torch.equal(grads[1][0], grads[0][0])   # (0 + 3) / 2
     assert torch.equal(grads[0][2], torch.full((2, 2), 1.0)) and torch.equal(grads[1][2], grads[0][2])   # (2 + 0) / 2
     assert all(g[i] is None for g in grads for i in (1, 3, 4, 5))   # biases, and the layer nobody used
@@ -406,18 +414,10 @@ def test_node_sync_treats_a_missing_gradient_and_a_zero_one_alike():
     """One rank has no gradient for a parameter, the other an exactly zero one: both step it, with the mean (0),
     so weight decay and momentum move it alike on both and the node keeps one θ; stepped alone, one rank would
     skip it and the other not."""
-    models = [nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)) for _ in range(2)]
-    config = ConsensusConfig.paper(sparsity="dense", node_sync=True)
-    structure = Structure.resolve(models[0], config)
-
-    def rank_run(rank):
-        model = models[rank.topo.rank]
-        eng = HSADMM(model, rank.topo, rank.groups, config, structure, ledger=rank.ledger)
+    def none_or_zero(model, rank):
         for p in model.parameters():
-            p.grad = None if rank.topo.rank == 0 else torch.zeros_like(p)
-        eng.sync_node_grads()
-        return [p.grad for p in model.parameters()]
-    grads = run_ranks(1, 2, rank_run)
+            p.grad = None if rank == 0 else torch.zeros_like(p)
+    grads = node_synced_grads(2, none_or_zero)
     assert all(g is not None and not g.any() for rank in grads for g in rank), grads
 
 
