@@ -156,7 +156,7 @@ class ConsensusState:
 
     def check_owner(self, sd: dict) -> None:
         """A ``ValueError`` saying what to do unless ``sd`` was saved by this rank of a job laid out as this one
-        (a state without an owner, saved before states carried one, is taken as it is)."""
+        (a state that names no owner is taken as it is)."""
         saved, mine = sd.get("owner"), self.owner()
         if saved is None or saved == mine:
             return

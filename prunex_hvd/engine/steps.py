@@ -95,9 +95,9 @@ class StepHooks:
             self.grad_buckets = BucketLayout([e.compact_numel() if compact else e.param.numel() for e in s.entries]
                                              + [len(s.entries)], s.dtype, s.device, s.bucket_bytes)
         has_grad = self.grad_buckets.views[len(s.entries)]
+        has_grad.copy_(torch.tensor([e.param.grad is not None for e in s.entries]))   # one copy, not one per entry
         for k, e in enumerate(s.entries):   # a missing gradient counts as zero in the mean
             view = self.grad_buckets.views[k]
-            has_grad[k] = e.param.grad is not None
             if e.param.grad is None:
                 view.zero_()
             elif compact and e.structured:

@@ -17,7 +17,7 @@ import traceback
 import torch
 
 import worker_io
-from worker_io import assert_close
+from worker_io import assert_close, launch_rank
 
 
 # prunex_hvd.init keyword arguments tried by --try-init, each expected to fail on every rank
@@ -27,7 +27,7 @@ TRIES = {"env": {},                                          # whatever the laun
 
 
 def error_line(exc):
-    return f"[rank {env_rank()}] prunex_hvd error: {type(exc).__name__}: {exc}"
+    return f"[rank {launch_rank(0)}] prunex_hvd error: {type(exc).__name__}: {exc}"
 
 
 def try_init(px, cases, out):
@@ -37,17 +37,10 @@ def try_init(px, cases, out):
         try:
             px.init(**TRIES[case])
         except Exception as exc:  # noqa: BLE001 - the parent test checks which
-            with open(os.path.join(folder, f"error.rank{env_rank()}.txt"), "w") as f:
+            with open(os.path.join(folder, f"error.rank{launch_rank(0)}.txt"), "w") as f:
                 f.write(error_line(exc))
         else:
             px.shutdown()
-
-
-def env_rank():
-    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
 
 
 def exercise(px, backend, topo, device):
@@ -160,7 +153,7 @@ def main():
     except Exception as exc:  # noqa: BLE001 - reported to the parent test, with the rank
         message = error_line(exc)
         if a.out:   # a file per rank: launchers may split lines of different ranks into each other
-            with open(os.path.join(a.out, f"error.rank{env_rank()}.txt"), "w") as f:
+            with open(os.path.join(a.out, f"error.rank{launch_rank(0)}.txt"), "w") as f:
                 f.write(message)
         print(message, flush=True)
         traceback.print_exc()

@@ -26,10 +26,6 @@ import torch
 import worker_io
 
 
-def launch_rank() -> int:
-    return int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", "-1")))
-
-
 def inject(fault: str, at_round: int, out: str) -> None:
     """Install the fault in this process (the faulty rank only)."""
     from prunex_hvd.app import data
@@ -126,7 +122,7 @@ def main():
     if a.fault == "uneven":
         return uneven(a.out, [(name, int(rank), bool(sync)) for name, rank, *sync in
                               (case.split(":") for case in a.uneven.split(","))])
-    if launch_rank() == a.rank:
+    if worker_io.launch_rank() == a.rank:
         inject(a.fault, a.round, a.out)
     from prunex_hvd.app import cli
     sys.exit(cli.main(train_args))

@@ -5,7 +5,6 @@ PRUNEX_NODES_PER_RACK=2). Each rank sums its rank over its rack group (node lead
 ``--disagree R``: instead, rank R asks ``init`` for 4 nodes a rack and the others for 2; every rank must refuse,
 printing "[rank R] refused: ..." with the error."""
 import argparse
-import os
 
 import torch
 
@@ -38,7 +37,7 @@ def main():
 
 
 def disagree(px, odd_rank, out):
-    rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    rank = worker_io.launch_rank()
     try:
         px.init(ranks_per_node=2, nodes_per_rack=4 if rank == odd_rank else 2)
     except px.TopologyError as exc:

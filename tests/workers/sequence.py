@@ -35,8 +35,7 @@ def main():
         except Exception as exc:
             raise RuntimeError(f"case {name}: {type(exc).__name__}: {exc}") from exc
         # what each case costs, for whoever keeps the shared launches short
-        rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", "?"))
-        print(f"[rank {rank}] case {name} took {time.perf_counter() - start:.1f} s", flush=True)
+        print(f"[rank {worker_io.launch_rank('?')}] case {name} took {time.perf_counter() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

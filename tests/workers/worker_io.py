@@ -10,6 +10,15 @@ import traceback
 CASE = None
 
 
+def launch_rank(default=None):
+    """This process's rank as its launcher (horovodrun, mpirun, torchrun) set it, without initialising anything;
+    ``default`` when none did."""
+    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return default
+
+
 def report(out: str, rank: int, result: dict, checks: int) -> None:
     """Write OUT/rank{R}.json and the "ok" line the parent counts (naming the :data:`CASE`, if any)."""
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -23,8 +32,7 @@ def run(main, name: str) -> None:
     try:
         main()
     except Exception as exc:  # noqa: BLE001
-        rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", "?"))
-        print(f"[rank {rank}] {name} worker error: {type(exc).__name__}: {exc}", flush=True)
+        print(f"[rank {launch_rank('?')}] {name} worker error: {type(exc).__name__}: {exc}", flush=True)
         traceback.print_exc()
         sys.stdout.flush()
         time.sleep(2)
