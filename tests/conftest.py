@@ -17,13 +17,11 @@ def single_process(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def full_run(tmp_path_factory):
-    """The uninterrupted reference run of tests/training_job.py (one per session: resume tests compare with it)."""
-    from training_job import train
-    out = tmp_path_factory.mktemp("train") / "full"
-    proc = train(out)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    return out, proc.stdout
+def full_run(shared_launch):
+    """The uninterrupted reference run of tests/training_job.py (resume tests compare with it): (its run folder,
+    what its ranks printed)."""
+    from training_job import FULL, case_run
+    return case_run(shared_launch, FULL)
 
 
 @pytest.fixture(scope="session")

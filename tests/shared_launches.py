@@ -13,6 +13,7 @@ RACK_ENV = ["PRUNEX_RANKS_PER_NODE=2", "PRUNEX_NODES_PER_RACK=2"]
 # group: (its launcher around the command, the environment of the launch)
 GROUPS = {
     "mpirun-2x2": (lambda cmd: mpirun(4, cmd, NODES2), None),                     # 4 ranks as 2 nodes × 2
+    "train-2x2": (lambda cmd: mpirun(4, cmd, NODES2), None),                      # `prunex-hvd train` runs
     "mpirun-racks": (lambda cmd: mpirun(8, cmd, RACK_ENV), None),                 # 2 racks × 2 nodes × 2
     "horovodrun-racks": (lambda cmd: horovodrun(8, "localhost:4,127.0.0.1:4", cmd),
                          dict(e.split("=") for e in RACK_ENV)),

@@ -49,6 +49,7 @@ def test_make_python_prints_the_env_interpreter():
 
 
 RACKS_DISAGREE = register("mpirun-racks", "racks-disagree", "rack_worker", "--backend", "mpi", "--disagree", "5")
+RACKS_INFO = register("mpirun-racks", "info", "cli_worker", "--", "info", "--json")
 
 
 @needs_mpirun
@@ -56,14 +57,13 @@ RACKS_DISAGREE = register("mpirun-racks", "racks-disagree", "rack_worker", "--ba
 def test_info_shows_racks_from_the_environment(shared_launch):
     """8 ranks as 2 racks × 2 nodes × 2 (PRUNEX_RANKS_PER_NODE, PRUNEX_NODES_PER_RACK): every rank's topology,
     and a value the ranks disagree on (one rank told 4) is one error on every rank."""
-    proc = run(mpirun(8, [str(BIN / "prunex-hvd"), "info", "--json"],
-                      ["PRUNEX_RANKS_PER_NODE=2", "PRUNEX_NODES_PER_RACK=2"]), timeout=180)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    ranks = [row["topology"] for row in json.loads(proc.stdout[proc.stdout.index("{"):])["ranks"]]
+    proc, out = shared_launch("mpirun-racks")
+    worker_results(proc, out, "cli", ranks=8, case=RACKS_INFO)
+    printed = (out / RACKS_INFO / "output.rank0.txt").read_text()
+    ranks = [row["topology"] for row in json.loads(printed[printed.index("{"):])["ranks"]]
     assert [(t["rack"], t["node"], t["is_rack_leader"]) for t in ranks] == \
         [(r // 4, r // 2, r % 4 == 0) for r in range(8)]
     assert {str(t["rack_nodes"]) for t in ranks} == {"[[0, 1], [2, 3]]"}
-    proc, out = shared_launch("mpirun-racks")
     worker_results(proc, out, "rack", ranks=8, case=RACKS_DISAGREE)
     # mpirun may join two ranks' lines into one: find every rank's message in the whole output
     said = re.findall(r"\[rank (\d)\] refused: ranks disagree about nodes_per_rack \(PRUNEX_NODES_PER_RACK\): "

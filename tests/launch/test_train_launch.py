@@ -3,14 +3,15 @@ checkpoint/resume equivalence, refusal of a checkpoint from another job, and the
 import json
 import math
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from launching import BIN, horovodrun, mpirun, needs_horovod, needs_mpirun, run
-from training_job import ARGS, NODES2, STEPS, assert_same_run, metrics, train
+from training_job import (ANOTHER, ANOTHER_FILES_GONE, ANOTHER_NEW_RUN, ANOTHER_SETTING, ANOTHER_SPARSITY, ARGS,
+                          NODES2, OVERLAP_REF, OVERLAP_RESUMED, OVERLAP_SLICED, RESUMED, SLICED, STEPS, VIT_REF,
+                          VIT_RESUMED, VIT_SLICED, assert_same_run, case_run, metrics)
 
 pytestmark = [pytest.mark.launch, needs_mpirun]
 
@@ -77,33 +78,23 @@ def test_report_draws_the_run(full_run, tmp_path):
     assert "| full |" in (tmp_path / "rep" / "report.md").read_text()
 
 
-def test_resume_equals_uninterrupted(full_run, tmp_path):
+def test_resume_equals_uninterrupted(full_run, shared_launch):
     ref, _ = full_run
-    out = tmp_path / "sliced"
-    first = train(out, "--stop-after-rounds", "4")      # stops mid-epoch (step 28 of 22-step epochs)
-    assert first.returncode == 0 and "stopped after round 4" in first.stdout, first.stdout[-4000:]
-    assert (out / "checkpoint.json").exists() and not (out / "summary.json").exists()
-    assert len(list((out / "ckpt").glob("*.pt"))) == 4
-    again = train(out, "--resume")
-    assert again.returncode == 0, again.stdout[-4000:]
+    sliced, printed = case_run(shared_launch, SLICED)
+    assert "stopped after round 4" in printed, printed[-4000:]
+    assert (sliced / "checkpoint.json").exists() and not (sliced / "summary.json").exists()
+    assert len(list((sliced / "ckpt").glob("*.pt"))) == 4
+    out, _ = case_run(shared_launch, RESUMED)
     assert_same_run(ref, out)
 
 
-def test_a_vit_with_heads_and_neurons_resumes_bit_for_bit(tmp_path):
+def test_a_vit_with_heads_and_neurons_resumes_bit_for_bit(shared_launch):
     """A ViT's head and hidden-unit masks, sliced at round 4 (after they froze at round 3) and resumed, end where
     an uninterrupted run ends; half of every module's heads are gone in the final model."""
-    settings = tmp_path / "settings.json"
-    settings.write_text(json.dumps({"augment": "none"}))   # a setting without a flag of its own
-    vit = ["--model", "vit_tiny", "--sparsity", "head:0.5+neuron:0.5", "--coupled", "--config", str(settings),
-           "--epochs", "2"]
-    ref = tmp_path / "ref"
-    done = train(ref, *vit, "--checkpoint-every", "0")
-    assert done.returncode == 0, done.stdout[-4000:]
-    out = tmp_path / "sliced"
-    first = train(out, *vit, "--stop-after-rounds", "4")
-    assert first.returncode == 0 and "stopped after round 4" in first.stdout, first.stdout[-4000:]
-    again = train(out, *vit, "--resume")
-    assert again.returncode == 0, again.stdout[-4000:]
+    ref, _ = case_run(shared_launch, VIT_REF)
+    _, printed = case_run(shared_launch, VIT_SLICED)
+    assert "stopped after round 4" in printed, printed[-4000:]
+    out, _ = case_run(shared_launch, VIT_RESUMED)
     assert_same_run(ref, out)
     state = torch.load(out / "final_model.pt")["state_dict"]
     for b in range(4):
@@ -111,45 +102,38 @@ def test_a_vit_with_heads_and_neurons_resumes_bit_for_bit(tmp_path):
         assert sum(bool(proj[:, h * 32:(h + 1) * 32].any()) for h in range(4)) == 2
 
 
-def test_overlapped_resume_equals_uninterrupted(tmp_path):
+def test_overlapped_resume_equals_uninterrupted(shared_launch):
     """overlap: the sliced run, checkpointed every round and stopped after round 4, ends bit for bit where an
     uninterrupted run without checkpoints ends: checkpoints do not change an overlapped run. Rounds overlap once
     the masks are frozen (after round 3 here: rounds 1-3 block); folded at the next round (7 steps a round), each
     checkpoint from round 4 on is taken with a round in flight and records it (its exchange completed, not folded
     in). The thread tier resumes every other point of a flight bit for bit (test_engine_threads.py)."""
-    flags = ["--overlap", "7", "--freeze-round", "3"]
-    ref = tmp_path / "ref"
-    assert train(ref, *flags, "--checkpoint-every", "0").returncode == 0
-    out = tmp_path / "sliced"
-    first = train(out, *flags, "--checkpoint-every", "1", "--stop-after-rounds", "4")
-    assert first.returncode == 0 and "stopped after round 4" in first.stdout, first.stdout[-4000:]
-    tag = json.loads((out / "checkpoint.json").read_text())["tag"]
-    state = torch.load(out / "ckpt" / f"tag{tag:08d}.rank00000.pt", weights_only=False)
+    ref, _ = case_run(shared_launch, OVERLAP_REF)
+    sliced, printed = case_run(shared_launch, OVERLAP_SLICED)
+    assert "stopped after round 4" in printed, printed[-4000:]
+    tag = json.loads((sliced / "checkpoint.json").read_text())["tag"]
+    state = torch.load(sliced / "ckpt" / f"tag{tag:08d}.rank00000.pt", weights_only=False)
     assert "in_flight" in state["state"]["optimizer"]["prunex"]   # round 4 is overlapped
-    again = train(out, *flags, "--checkpoint-every", "1", "--resume")
-    assert again.returncode == 0, again.stdout[-4000:]
+    out, _ = case_run(shared_launch, OVERLAP_RESUMED)
     assert_same_run(ref, out)
 
 
-def test_checkpoint_of_another_job_is_refused_on_every_rank_and_a_changed_setting_named(tmp_path):
-    out = tmp_path / "run"
-    assert train(out, "--stop-after-rounds", "1").returncode == 0
-    manifest = (out / "checkpoint.json").read_bytes()
-    proc = train(out, "--resume", "--sparsity", "channel:0.25")
-    assert proc.returncode != 0
-    assert proc.stdout.count("cannot resume from") == 4, proc.stdout[-4000:]
-    assert "sparsity was 'channel:0.5', now 'channel:0.25'" in proc.stdout
+def test_checkpoint_of_another_job_is_refused_on_every_rank_and_a_changed_setting_named(shared_launch):
+    original, _ = case_run(shared_launch, ANOTHER)
+    manifest = (original / "checkpoint.json").read_bytes()
+    out, printed = case_run(shared_launch, ANOTHER_SPARSITY)   # resumed with another sparsity: refused
+    assert printed.count("cannot resume from") == 4, printed[-4000:]
+    assert "sparsity was 'channel:0.5', now 'channel:0.25'" in printed
     assert (out / "checkpoint.json").read_bytes() == manifest
-    proc = train(out, "--resume", "--freeze-round", "2", "--threads", "2", "--stop-after-rounds", "1")
-    assert proc.returncode == 0, proc.stdout[-4000:]     # another setting is taken, said once, launch flags not
-    assert proc.stdout.count("resumed with settings other than the run's so far (its config.json): freeze_round "
-                             "3 -> 2\n") == 1, proc.stdout[-4000:]
-    proc = train(out)                                   # a new run over it is refused too
-    assert proc.returncode != 0 and proc.stdout.count("already holds a run") == 4, proc.stdout[-4000:]
-    shutil.rmtree(out / "ckpt")                         # the manifest names files that are gone
-    proc = train(out, "--resume")
-    assert proc.returncode != 0 and proc.stdout.count("prunex-hvd: error: ") == 4, proc.stdout[-4000:]
-    assert all(f"rank0000{r}.pt is missing or unreadable" in proc.stdout for r in range(4))
+    _, printed = case_run(shared_launch, ANOTHER_SETTING)      # another setting is taken, said once, launch flags not
+    assert printed.count("resumed with settings other than the run's so far (its config.json): freeze_round "
+                         "3 -> 2\n") == 1, printed[-4000:]
+    _, printed = case_run(shared_launch, ANOTHER_NEW_RUN)      # a new run over it is refused too
+    assert printed.count("already holds a run") == 4, printed[-4000:]
+    assert (original / "checkpoint.json").read_bytes() == manifest
+    _, printed = case_run(shared_launch, ANOTHER_FILES_GONE)   # the manifest names files that are gone
+    assert printed.count("prunex-hvd: error: ") == 4, printed[-4000:]
+    assert all(f"rank0000{r}.pt is missing or unreadable" in printed for r in range(4))
 
 
 @needs_horovod

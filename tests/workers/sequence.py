@@ -3,9 +3,10 @@
 
     mpirun -np 4 python sequence.py --out DIR --cases '[[NAME, WORKER, [ARGS...]], ...]'
 
-Each case runs ``WORKER.main()`` (a module of this folder) with ``ARGS --out DIR/NAME``, its "ok" line naming the
+Each case runs ``WORKER.main()`` (a module of this folder) with ``--out DIR/NAME ARGS``, its "ok" line naming the
 case (``worker_io.CASE``). Between cases prunex_hvd is shut down and its ledger reset, so each case initializes
-it as it would alone. A failing case ends the job: "[rank R] sequence worker error: case NAME: ..."."""
+it as it would alone, and the global random generators are reseeded (:func:`reseed`). A failing case ends the
+job: "[rank R] sequence worker error: case NAME: ..."."""
 import argparse
 import importlib
 import json
@@ -14,6 +15,20 @@ import sys
 import time
 
 import worker_io
+
+
+def reseed(name: str) -> None:
+    """Global random generators at a state of the case's own (not where the last case left them): a case that
+    relies on them without seeding, or a resume that does not restore them, shows."""
+    import random
+    import zlib
+
+    import numpy as np
+    import torch
+    seed = zlib.crc32(name.encode())
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def main():
@@ -25,10 +40,11 @@ def main():
     for name, worker, args in json.loads(a.cases):
         folder = os.path.join(a.out, name)
         os.makedirs(folder, exist_ok=True)
-        sys.argv = [f"{worker}.py", *args, "--out", folder]
+        sys.argv = [f"{worker}.py", "--out", folder, *args]
         worker_io.CASE = name
         px.shutdown()
         px.comm.reset()
+        reseed(name)
         start = time.perf_counter()
         try:
             importlib.import_module(worker).main()
