@@ -535,7 +535,7 @@ def ring_allreduce_bytes(payload, members):
     return 2 * (members - 1) * payload // members
 
 
-def check_rack_ledger(res, per_round, masks, residuals, mask_itemsize=1, guard=0):
+def check_rack_ledger(res, per_round, masks, residuals, mask_itemsize=1, guard=0, frozen_masks=0):
     """Three tiers: what one rank put on each tier's groups over the run, exactly. The node leaders sum the
     compact payload over their rack and pass z's payload down it; the rack leaders alone average it (and OR the
     masks, sum the residuals) across the spine, which is all that crosses racks; nobody uses the flat leaders'
@@ -549,14 +549,14 @@ def check_rack_ledger(res, per_round, masks, residuals, mask_itemsize=1, guard=0
     assert ledger["inter"]["ops"] == 0, f"rank {rank}: the flat leaders' group was used"
     if topo["is_leader"]:
         want = {"allreduce[consensus]": consensus, "broadcast[consensus]": consensus, "bor[masks]": masks,
-                "broadcast[masks]": masks // mask_itemsize, "allreduce[residuals]": residuals,
+                "broadcast[masks]": masks // mask_itemsize + frozen_masks, "allreduce[residuals]": residuals,
                 "broadcast[residuals]": residuals, "allreduce[guard]": guard, "broadcast[guard]": guard}
         assert by_op["rack"] == {op: n for op, n in want.items() if n}, f"rank {rank}: {by_op['rack']}"
     else:
         assert ledger["rack"]["ops"] == 0, f"rank {rank}"
     if topo["is_rack_leader"]:
-        want = {"allreduce[consensus]": consensus, "bor[masks]": masks, "allreduce[residuals]": residuals,
-                "allreduce[guard]": guard}
+        want = {"allreduce[consensus]": consensus, "bor[masks]": masks, "broadcast[masks]": frozen_masks,
+                "allreduce[residuals]": residuals, "allreduce[guard]": guard}
         assert by_op["spine"] == {op: n for op, n in want.items() if n}, f"rank {rank}"
     else:
         assert ledger["spine"]["ops"] == 0 and ledger["total"]["cross_rack_bytes"] == 0, f"rank {rank}"
@@ -565,7 +565,8 @@ def check_rack_ledger(res, per_round, masks, residuals, mask_itemsize=1, guard=0
     assert ledger["total"]["cross_node_bytes"] == ledger["rack"]["wire_bytes"] + ledger["spine"]["wire_bytes"]
     assert ledger["total"]["cross_rack_bytes"] == ledger["spine"]["cross_rack_bytes"] == ledger["spine"]["wire_bytes"]
     if topo["num_racks"] == 2 and topo["is_rack_leader"]:   # two rack leaders: all of it crosses once
-        assert ledger["spine"]["cross_rack_bytes"] == consensus + masks + residuals + guard
+        assert ledger["spine"]["cross_rack_bytes"] == consensus + masks + residuals + guard \
+            + (topo["rack"] == 0) * frozen_masks   # the broadcast's last rack leader sends nothing
     assert res["stats"]["cross_rack_bytes"] == ledger["total"]["cross_rack_bytes"]
     assert res["stats"]["inter_bytes"] == ledger["total"]["cross_node_bytes"]
     if topo["is_leader"]:   # the consensus exchange as the ring model puts it: rack sum, spine average, way down
@@ -597,6 +598,9 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
     mask_bytes = sum(shapes[n][0] + math.prod(shapes[n][1:]) for n in specs) * mask_itemsize
     per_round = [payload_bytes * (dense_numel + sum(r * c for r, c in rr["compact"].values())) for rr in ref_rounds]
     unfrozen = sum(not rr["frozen_before"] for rr in ref_rounds)
+    # the freeze within the rounds hands rank 0's masks down the tree (uint8)
+    frozen_masks = mask_bytes // mask_itemsize * (not ref_rounds[0]["frozen_before"] and freeze_round is not None
+                                                  and 0 < freeze_round <= ROUNDS)
     # per-layer residual sums (float64; 5 a layer with racks) + each rank's round, step count, inf/NaN flag +
     # per-layer inf/NaN flags
     width = 5 if results[0]["rack_tier"] else 3
@@ -608,17 +612,19 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
         rank, leader = res["rank"], res["topology"]["is_leader"]
         inter = res["ledger"]["inter"]
         if res["rack_tier"]:
-            check_rack_ledger(res, per_round, unfrozen * mask_bytes, residuals, mask_itemsize, guard)
+            check_rack_ledger(res, per_round, unfrozen * mask_bytes, residuals, mask_itemsize, guard, frozen_masks)
         elif leader:
             by_op = {op: v["payload_bytes"] for op, v in inter.get("by_op", {}).items()}
             if num_nodes > 1:
                 want = {"allreduce[consensus]": sum(per_round), "bor[masks]": unfrozen * mask_bytes,
-                        "allreduce[residuals]": residuals, "allreduce[guard]": guard}
+                        "broadcast[masks]": frozen_masks, "allreduce[residuals]": residuals,
+                        "allreduce[guard]": guard}
                 assert by_op == {op: n for op, n in want.items() if n}, f"rank {rank}"
             else:   # one node: no inter-node tier, the leaders' group of one is never used
                 assert inter["ops"] == 0, f"rank {rank}: {inter}"
-            if num_nodes == 2:   # two leaders: all of it crosses once
-                assert inter["cross_node_bytes"] == inter["payload_bytes"]
+            if num_nodes == 2:   # two leaders: all of it crosses once (a broadcast's last leader sends nothing)
+                last_of_chain = res["topology"]["node"] == 1
+                assert inter["cross_node_bytes"] == inter["payload_bytes"] - last_of_chain * frozen_masks
             assert res["stats"]["inter_bytes"] == inter["cross_node_bytes"]
             assert res["stats"]["inter_consensus_bytes"] == sum(ring_allreduce_bytes(p, num_nodes) for p in per_round)
             assert res["stats"]["dense_inter_bytes"] == ROUNDS * ring_allreduce_bytes(dense_round, num_nodes)

@@ -172,8 +172,8 @@ class HSADMM:
             self.masks.say_frozen()
 
     def _freeze_at_start(self) -> None:
-        """``freeze_round=0``: the masks are Π_S's support on the start point θ0, the same on every rank after the
-        broadcast (so chosen with no collective), frozen before any step; z = z_i = θ = Π_S(θ0), the duals at 0, ρ
+        """``freeze_round=0``: the masks are Π_S's support on the start point θ0 (the same on every rank after the
+        broadcast; rank 0's choice handed down), frozen before any step; z = z_i = θ = Π_S(θ0), the duals at 0, ρ
         as configured (docs/algorithm.md, "Masks chosen at the start")."""
         self.masks.freeze()
         self.steps.forget_layout()

@@ -64,22 +64,40 @@ class MaskPolicy:
         if not s.structured:
             s.mask_drift = 0.0
             return
-        flat = torch.cat([torch.cat([r, c]) for r, c in local]).to(torch.uint8)
+        flat = self._flat(local)
         self.exchange.tree_(flat, "bor", tag="masks")   # one node: every rank projected the same z_i already
-        flat = flat.bool()
         changed = kept_total = 0
-        offset = 0
-        for e in s.structured:
-            nr, nc = len(e.rows), len(e.cols)
-            rows, cols = flat[offset: offset + nr], flat[offset + nr: offset + nr + nc]
-            offset += nr + nc
+        for e, (rows, cols) in zip(s.structured, self._split(flat)):
             both = int((rows & e.rows).sum()) * int((cols & e.cols).sum())
             changed += int(rows.sum()) * int(cols.sum()) + int(e.rows.sum()) * int(e.cols.sum()) - 2 * both
-            kept_total += nr * nc
+            kept_total += len(e.rows) * len(e.cols)
             e.set_masks(rows, cols)
         s.mask_drift = changed / kept_total
         if changed:
             self.compact = None   # the compact shapes changed: new buckets
+
+    def _agreed(self, chosen: List[tuple]) -> List[tuple]:
+        """Rank 0's masks on every rank. Every rank chooses from the same z, but which of two near-equal norms
+        wins can depend on the BLAS path or the thread count: the ranks take one choice, not their own."""
+        if not chosen:
+            return chosen
+        flat = self._flat(chosen)
+        self.exchange.tree_(flat, "broadcast", tag="masks")
+        return self._split(flat)
+
+    @staticmethod
+    def _flat(masks: List[tuple]) -> torch.Tensor:
+        """Row and column masks, layer after layer, as one uint8 tensor (what the exchange carries)."""
+        return torch.cat([torch.cat([r, c]) for r, c in masks]).to(torch.uint8)
+
+    def _split(self, flat: torch.Tensor) -> List[tuple]:
+        """:meth:`_flat`'s tensor back into (rows, cols) masks of the structured entries."""
+        flat, out, offset = flat.bool(), [], 0
+        for e in self.state.structured:
+            nr, nc = len(e.rows), len(e.cols)
+            out.append((flat[offset: offset + nr], flat[offset + nr: offset + nr + nc]))
+            offset += nr + nc
+        return out
 
     def due(self) -> bool:
         """Phase 9's test, after the round counter moved: freeze after ``freeze_round`` rounds or
@@ -92,10 +110,10 @@ class MaskPolicy:
 
     def freeze(self) -> None:
         """Masks stop moving. The OR of the nodes' masks may keep more than was asked, so the frozen structure
-        is the requested one, cut from the global z (the same on every rank): the retraining phase then trains
-        exactly the model that ``finalize()`` returns."""
+        is the requested one, cut from the global z (the same on every rank; the masks rank 0 chose from it): the
+        retraining phase then trains exactly the model that ``finalize()`` returns."""
         s = self.state
-        for e, (rows, cols) in zip(s.structured, self.masks({e.name: e.z for e in s.structured})):
+        for e, (rows, cols) in zip(s.structured, self._agreed(self.masks({e.name: e.z for e in s.structured}))):
             e.set_masks(rows, cols)
             e.z = sparsity.apply_masks(e.z, e.rows, e.cols)
             if e.w is not None:   # the racks' consensus too: every tier above the nodes on the frozen structure

@@ -126,7 +126,11 @@ def test_rounds_match_the_reference(layout, case, levers):
     for rank in cluster:   # every record as the ring model puts it: only the leaders' ring crosses nodes
         for rec in rank.ledger.records:
             crossing = rec.tier == "inter" and num_nodes > 1
-            want = cases.ring_allreduce_bytes(rec.payload_bytes, num_nodes) if crossing else 0
+            if rec.op == "broadcast":   # a chain from node 0's leader; the last leader sends nothing
+                crossing = crossing and rank.topo.node < num_nodes - 1
+                want = rec.payload_bytes if crossing else 0
+            else:
+                want = cases.ring_allreduce_bytes(rec.payload_bytes, num_nodes) if crossing else 0
             assert rec.cross_node_bytes == want, (rank.topo.rank, rec)
 
 
@@ -148,7 +152,7 @@ def check_against_the_reference(cluster, runs, want_specs, want_pairs, want_stre
 
 def check_frozen_at_start(runs):
     """``freeze_round=0``: every engine started frozen on the reference projection's support of the broadcast θ0
-    (the same on every rank, chosen with no collective), at z = z_i = θ = Π_S(θ0), the duals 0; round 1 then
+    (the same on every rank: rank 0's choice), at z = z_i = θ = Π_S(θ0), the duals 0; round 1 then
     ran on those masks (the reference checked it)."""
     eng = runs[0]["engine"]
     specs = {e.name: e.spec for e in eng.structured}
@@ -464,6 +468,45 @@ def test_an_overlapped_round_refused_at_its_fold_leaves_the_previous_state():
                 assert torch.equal(t, after[key][name]), (key, name)
         for name, (rows, cols) in before["masks"].items():
             assert torch.equal(rows, after["masks"][name][0]) and torch.equal(cols, after["masks"][name][1])
+
+
+@pytest.mark.parametrize("freeze_round", [0, 1], ids=["at-the-start", "at-round-1"])
+def test_masks_chosen_apart_at_a_tie_are_rank_0_s_on_every_rank(monkeypatch, freeze_round):
+    """Rank 3 sees the strongest input channel its second conv drops tie with the weakest one it keeps, a hair
+    larger (another BLAS path, another thread count), and keeps it instead. Whether the masks are chosen from θ0
+    at the start or from z at the freeze, every rank takes rank 0's choice."""
+    from prunex_hvd.engine.masks import MaskPolicy
+    models, engine = chain_engines(freeze_round=freeze_round)
+    chosen, masks = {}, MaskPolicy.masks
+
+    def seen_apart(self, weights):
+        if self.state.topo.rank == 3:
+            names = [e.name for e in self.state.structured]
+            w = weights["3.weight"].clone()
+            kept = masks(self, weights)[names.index("3.weight")][1].view(w.shape[1], -1).any(1)   # channels
+            norms = w.pow(2).sum((0, 2, 3))
+            weakest_kept = int(norms.masked_fill(~kept, float("inf")).argmin())
+            strongest_dropped = int(norms.masked_fill(kept, -1).argmax())
+            w[:, strongest_dropped] = w[:, weakest_kept] * (1 + 2 ** -20)
+            weights = dict(weights, **{"3.weight": w})
+        got = masks(self, weights)
+        chosen[self.state.topo.rank] = dict(zip([e.name for e in self.state.structured], got))
+        return got
+    monkeypatch.setattr(MaskPolicy, "masks", seen_apart)
+
+    def rank_run(rank):
+        model = models[rank.topo.rank]
+        eng, opt = engine(rank), cases.sgd(model)
+        if freeze_round:
+            cases.local_steps(model, lambda: (opt.step(), eng.after_step()), *cases.rank_batch(rank.topo.rank))
+            eng.consensus_round(steps=cases.LOCAL_STEPS)
+        return {e.name: (e.rows.clone(), e.cols.clone()) for e in eng.structured}
+    out = run_ranks(2, 2, rank_run)
+    assert not torch.equal(chosen[3]["3.weight"][1], chosen[0]["3.weight"][1])   # the ranks chose apart
+    assert torch.equal(out[0]["3.weight"][1], chosen[0]["3.weight"][1])
+    for rank_masks in out[1:]:
+        for name, (rows, cols) in rank_masks.items():
+            assert torch.equal(rows, out[0][name][0]) and torch.equal(cols, out[0][name][1]), name
 
 
 def resume_on_threads(config, num_nodes, local_size, saved=None, cluster=None, take_at=2 * cases.LOCAL_STEPS,

@@ -10,15 +10,17 @@ from components import chain, state as make_state
 
 
 class OtherNode:
-    """The exchange as one node sees it: the masks' OR with another node's ``flat`` masks."""
+    """The exchange as one node sees it: the masks' OR with another node's ``flat`` masks, or theirs handed down."""
 
     def __init__(self):
         self.other = None
 
     def tree_(self, flat, op, tag=None):
-        assert op == "bor" and tag == "masks"
-        if self.other is not None:
+        assert op in ("bor", "broadcast") and tag == "masks"
+        if self.other is not None and op == "bor":
             flat |= self.other
+        elif self.other is not None:   # the other node is rank 0's
+            flat.copy_(self.other)
         return flat
 
 

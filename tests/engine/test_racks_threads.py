@@ -77,7 +77,7 @@ def test_two_tier_shapes_are_the_two_tier_round_bit_for_bit(shape, knobs):
             assert ledger_a[tier].get("by_op", {}).keys() == ledger_b[tier].get("by_op", {}).keys(), tier
     if knobs:   # two tiers on racks (0, 0, 1, 1): the leaders' ring 0→1→2→3→0 leaves a rack at nodes 1 and 3
         crossing = [run["result"]["stats"]["cross_rack_bytes"] for run in with_racks]
-        assert crossing[1] == crossing[3] == with_racks[1]["result"]["stats"]["inter_bytes"] > 0
+        assert all(crossing[r] == with_racks[r]["result"]["stats"]["inter_bytes"] > 0 for r in (1, 3)), crossing
         assert crossing[0] == crossing[2] == 0
 
 
