@@ -74,7 +74,12 @@ def test_prunex_flat_bytes_per_round(compared):
     residuals = (len(params) * 3 + 4 * 3 + len(params) + 1) * 8
     # ... summed over the one group (the world): its allreduce is the job's sum, nothing is broadcast after it
     per_round = ring_allreduce_cross(dense) + ring_allreduce_cross(residuals)
-    assert s["prunex-flat"]["inter_bytes"] == s["prunex-flat"]["rounds"] * per_round
+    # the freeze hands rank 0's masks (uint8, rows and columns of every conv) down the world's chain 0→1→2→3:
+    # one hop crosses
+    from prunex_hvd.app.models import build
+    masks = sum(p.shape[0] + p[0].numel() for p in build("resnet_small", num_classes=10, in_channels=1).parameters()
+                if p.dim() == 4)
+    assert s["prunex-flat"]["inter_bytes"] == s["prunex-flat"]["rounds"] * per_round + masks
     assert s["prunex-flat"]["dense_inter_bytes"] == s["prunex-flat"]["rounds"] * ring_allreduce_cross(dense)
 
 
