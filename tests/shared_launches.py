@@ -15,6 +15,7 @@ GROUPS = {
     "mpirun-2x2": (lambda cmd: mpirun(4, cmd, NODES2), None),                     # 4 ranks as 2 nodes × 2
     "train-2x2": (lambda cmd: mpirun(4, cmd, NODES2), None),                      # `prunex-hvd train` runs
     "mpirun-racks": (lambda cmd: mpirun(8, cmd, RACK_ENV), None),                 # 2 racks × 2 nodes × 2
+    "horovodrun-2x2": (lambda cmd: horovodrun(4, "localhost:2,127.0.0.1:2", cmd), None),   # Horovod: 2 nodes × 2
     "horovodrun-racks": (lambda cmd: horovodrun(8, "localhost:4,127.0.0.1:4", cmd),
                          dict(e.split("=") for e in RACK_ENV)),
 }

@@ -98,7 +98,9 @@ def test_a_state_saved_on_rank_0_is_refused_everywhere_and_each_rank_s_own_loads
     check_resume(*shared_launch("mpirun-2x2"), RESUME)
 
 
+HOROVODRUN_RESUME = register("horovodrun-2x2", "resume-own-state", "resume_worker")
+
+
 @needs_horovod
-def test_a_state_saved_on_rank_0_is_refused_everywhere_and_each_rank_s_own_loads_under_horovodrun(tmp_path):
-    proc = run(horovodrun(4, HOSTS, python_cmd("resume_worker.py", "--out", str(tmp_path))), timeout=240)
-    check_resume(proc, tmp_path)
+def test_a_state_saved_on_rank_0_is_refused_everywhere_and_each_rank_s_own_loads_under_horovodrun(shared_launch):
+    check_resume(*shared_launch("horovodrun-2x2"), HOROVODRUN_RESUME)

@@ -16,7 +16,7 @@ import torch
 import engine_cases as cases
 from engine_cases import (CHANNEL, LOCAL_STEPS, MIXED, MIXED_SPARSITY, PAIR, RESIDUAL, RESIDUAL_PAIR, ROUNDS,
                           STREAM, check_results)
-from launching import horovodrun, mpirun, needs_horovod, needs_mpirun, python_cmd, run, torchrun, worker_results
+from launching import mpirun, needs_horovod, needs_mpirun, python_cmd, run, torchrun, worker_results
 from shared_launches import register
 
 pytestmark = pytest.mark.launch
@@ -143,18 +143,19 @@ def test_amp_inf_on_one_rank_skips_its_step_and_the_rounds_stay_aligned(mpirun_c
         assert r["scale"] == SCALE / 2 ** halved.get(r["rank"], 0), r["rank"]
 
 
+HOROVODRUN = engine("horovodrun-2x2", "recipe-exchange", "--backend", "horovod", "--overlap", "--freeze-round", "0",
+                    "--node-sync", "--payload-dtype", "bf16")
+
+
 @needs_horovod
-def test_engine_horovodrun_overlapped_bf16_payload(tmp_path):
+def test_engine_horovodrun_overlapped_bf16_payload(shared_launch):
     """The recipe's exchange on the horovod backend under horovodrun: overlapped (the masks chosen at the start,
     every round in flight on Horovod's own async allreduce) with a bf16 payload, which Horovod does not reduce:
     it travels widened to float32 (and is counted so), node broadcasts carry its bits as int16, masks travel as
     int32. Every round, once folded in, matches the reference of the rounded change; the horovod backend's
     blocking collectives carry the masks, the residuals and the guard."""
-    proc = run(horovodrun(4, "localhost:2,127.0.0.1:2", python_cmd(
-        "engine_worker.py", "--backend", "horovod", "--overlap", "--freeze-round", "0", "--node-sync",
-        "--payload-dtype", "bf16", "--out", str(tmp_path))))
-    check_results(worker_results(proc, tmp_path, "engine"), CHANNEL, mask_itemsize=4, payload_bytes=4,
-                  freeze_round=0)
+    check_results(results_of(shared_launch("horovodrun-2x2"), HOROVODRUN), CHANNEL, mask_itemsize=4,
+                  payload_bytes=4, freeze_round=0)
 
 
 @needs_mpirun

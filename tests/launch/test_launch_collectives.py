@@ -95,12 +95,13 @@ def test_mpirun_horovod_backend(shared_launch):
     check_results(results(*shared_launch("mpirun-2x2"), HOROVOD_UNDER_MPIRUN), ["horovod"])
 
 
+HOROVODRUN = register("horovodrun-2x2", "collectives", "comm_worker", "--backends", "gloo,horovod,auto")
+
+
 @needs_horovod
-def test_horovodrun_gloo_two_hosts(tmp_path):
+def test_horovodrun_gloo_two_hosts(shared_launch):
     """horovodrun --gloo with two host names for one machine: Horovod itself reports 2 nodes × 2."""
-    proc = run(horovodrun(4, "localhost:2,127.0.0.1:2",
-                          python_cmd("comm_worker.py", "--backends", "gloo,horovod,auto", "--out", str(tmp_path))))
-    ranks = results(proc, tmp_path)
+    ranks = results(*shared_launch("horovodrun-2x2"), HOROVODRUN)
     check_results(ranks, ["gloo", "horovod", "auto"], accounted_as={"auto": "gloo"})
     grouping = ranks[0]["topology"]["grouping"]
     assert grouping == "horovod-cross-rank"

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from launching import BIN, horovodrun, mpirun, needs_horovod, needs_mpirun, run
+from launching import BIN, mpirun, needs_horovod, needs_mpirun, run, worker_results
+from shared_launches import register
 from training_job import (ANOTHER, ANOTHER_FILES_GONE, ANOTHER_NEW_RUN, ANOTHER_SETTING, ANOTHER_SPARSITY, ARGS,
                           NODES2, OVERLAP_REF, OVERLAP_RESUMED, OVERLAP_SLICED, RESUMED, SLICED, STEPS, VIT_REF,
                           VIT_RESUMED, VIT_SLICED, assert_same_run, case_run, metrics)
@@ -136,13 +137,15 @@ def test_checkpoint_of_another_job_is_refused_on_every_rank_and_a_changed_settin
     assert all(f"rank0000{r}.pt is missing or unreadable" in printed for r in range(4))
 
 
+# the job's last case: a finished run takes the job's groups down
+HOROVODRUN = register("horovodrun-2x2", "train", "cli_worker", "--", "train", *ARGS, "--epochs", "1", "--out", "{run}")
+
+
 @needs_horovod
-def test_horovodrun_gloo_two_host_names(tmp_path):
-    out = tmp_path / "hvd"
-    cmd = [str(BIN / "prunex-hvd"), "train", *ARGS, "--epochs", "1", "--out", str(out)]
-    proc = run(horovodrun(4, "localhost:2,127.0.0.1:2", cmd), timeout=300)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    summary = json.loads((out / "summary.json").read_text())
+def test_horovodrun_gloo_two_host_names(shared_launch):
+    proc, out = shared_launch("horovodrun-2x2")
+    worker_results(proc, out, "cli", case=HOROVODRUN)
+    summary = json.loads((out / HOROVODRUN / HOROVODRUN / "summary.json").read_text())
     assert (summary["launcher"], summary["num_nodes"], summary["ranks_per_node"]) == ("horovod", 2, 2)
     assert summary["rounds"] == 4 and 0 < summary["inter_bytes"] < summary["dense_inter_bytes"]
 
