@@ -230,14 +230,16 @@ def snapshot(eng):
             "masks": {e.name: (e.rows.cpu().clone(), e.cols.cpu().clone()) for e in eng.structured},
             "buffers": {n: b.detach().cpu().clone() for n, b in eng.state.buffers},
             "round_buffers": {n: b.cpu().clone() for (n, _), b in zip(eng.state.buffers, eng.state.round_buffers)},
-            "ef": {e.name: e.ef.cpu().clone() for e in eng.entries if e.ef is not None},
+            "sent": {e.name: e.sent.cpu().clone() for e in eng.entries if e.sent is not None},
+            "round": eng.state.round, "anchored_at": eng.state.anchored_at,
             "buffer_ef": {n: ef.cpu().clone() for (n, _), ef in zip(eng.state.buffers, eng.state.buffer_ef)},
             "frozen": eng.frozen,
             # three tiers (racks): the rank's rack consensus, its dual and ρ3
             "w": {e.name: e.w.cpu().clone() for e in eng.entries if e.w is not None},
             "t": {e.name: e.t.cpu().clone() for e in eng.entries if e.t is not None},
             "rho3": {e.name: e.rho3 for e in eng.entries},
-            "ef_spine": {e.name: e.ef_spine.cpu().clone() for e in eng.entries if e.ef_spine is not None},
+            "sent_spine": {e.name: e.sent_spine.cpu().clone() for e in eng.entries if e.sent_spine is not None},
+            "rack_sum": {e.name: e.rack_sum.cpu().clone() for e in eng.entries if e.rack_sum is not None},
             "buffer_ef_spine": {n: ef.cpu().clone() for (n, _), ef in zip(eng.state.buffers, eng.state.buffer_ef_spine)}}
 
 
@@ -267,8 +269,16 @@ def expected_round(rnd, before, after, node_ranks, eng):
                            freezes=after[0]["frozen"] and not before[0]["frozen"],
                            couplings=eng.masks.couplings, streams=eng.masks.streams, restart=c.restart,
                            payload=eng.state.payload_dtype if eng.state.delta_coded else None,
+                           anchored=anchored(before[0], eng),
                            racks=[list(r) for r in eng.state.topo.racks] if eng.state.rack_tier else None, heads=eng.masks.heads,
                            global_budget=global_budget(c))
+
+
+def anchored(before, eng):
+    """Whether a narrow payload's round from the state ``before`` (a snapshot) sends whole values."""
+    from prunex_hvd.engine.codec import ANCHOR_EVERY
+    return eng.state.delta_coded and (before["anchored_at"] is None
+                                      or before["round"] - before["anchored_at"] >= ANCHOR_EVERY)
 
 
 def in_exact_agreement(want, name, tier):
@@ -329,20 +339,23 @@ def check_round(rnd, before, after, node_ranks, eng, want=None, theta=True, buff
         for name in got["buffers"] if buffers else ():
             compare(f"round {rnd} rank {r} buffer {name}", got["buffers"][name], want["buffers"][name],
                     ulp=want["ulp"].get("buffer " + name))
-        if eng.state.delta_coded:   # the leaders' rounding errors, sent again next round; nobody else keeps one
+        if eng.state.delta_coded:   # the leaders' bases and the buffers' errors; nobody else keeps one
             leader = r == node_ranks[node][0]
             rack_leader = rack_of is not None and r == node_ranks[eng.state.topo.racks[rack_of[node]][0]][0]
-            for key in ("ef", "buffer_ef") if buffers else ("ef",):
-                for name, ef in got[key].items():
-                    compare(f"round {rnd} rank {r} {key}[{name}]", ef,
-                            want[key][name][node] if leader else torch.zeros_like(ef),
-                            ulp=want["ulp"][name if key == "ef" else "buffer " + name])
-            for key in (("ef_spine", "buffer_ef_spine") if buffers else ("ef_spine",)) if rack_of else ():
-                for name, ef in got[key].items():   # the rack leaders', across the spine
-                    compare(f"round {rnd} rank {r} {key}[{name}]", ef,
-                            want[key][name][rack_of[node]] if rack_leader else torch.zeros_like(ef),
-                            ulp=want["ulp"][name if key == "ef_spine" else "buffer " + name])
-    return {"frozen_before": before[0]["frozen"],
+            for key in ("sent", "buffer_ef") if buffers else ("sent",):
+                for name, kept in got[key].items():
+                    compare(f"round {rnd} rank {r} {key}[{name}]", kept,
+                            want[key][name][node] if leader else torch.zeros_like(kept),
+                            ulp=want["ulp"][name if key == "sent" else "buffer " + name])
+            for key in (("sent_spine", "buffer_ef_spine") if buffers else ("sent_spine",)) if rack_of else ():
+                for name, kept in got[key].items():   # the rack leaders', across the spine
+                    compare(f"round {rnd} rank {r} {key}[{name}]", kept,
+                            want[key][name][rack_of[node]] if rack_leader else torch.zeros_like(kept),
+                            ulp=want["ulp"][name if key == "sent_spine" else "buffer " + name])
+            for name, kept in got["rack_sum"].items() if rack_of else ():   # every rank of the rack
+                compare(f"round {rnd} rank {r} rack_sum[{name}]", kept, want["rack_sum"][name][rack_of[node]],
+                        ulp=want["ulp"][name])
+    return {"frozen_before": before[0]["frozen"], "anchored": anchored(before[0], eng),
             "compact": {n: [int(r.sum()), int(c.sum())] for n, (r, c) in want["sent_masks"].items()},
             # the layers whose nodes chose different masks this round: the OR had work to do
             "nodes_differ": sorted(n for n, masks in want["node_masks"].items()
@@ -596,7 +609,9 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
     shapes, numels = results[0]["shapes"], results[0]["numels"]
     dense_numel = sum(n for name, n in numels.items() if name not in specs) + results[0]["buffer_numel"]
     mask_bytes = sum(shapes[n][0] + math.prod(shapes[n][1:]) for n in specs) * mask_itemsize
-    per_round = [payload_bytes * (dense_numel + sum(r * c for r, c in rr["compact"].values())) for rr in ref_rounds]
+    # an anchored round of a narrow payload sends float32
+    per_round = [(FLOAT_BYTES if rr["anchored"] else payload_bytes) * (dense_numel + sum(r * c for r, c in rr["compact"].values()))
+                 for rr in ref_rounds]
     unfrozen = sum(not rr["frozen_before"] for rr in ref_rounds)
     # the freeze within the rounds hands rank 0's masks down the tree (uint8)
     frozen_masks = mask_bytes // mask_itemsize * (not ref_rounds[0]["frozen_before"] and freeze_round is not None

@@ -166,6 +166,18 @@ def _rounded_changes(targets, old, errors, payload, support):
     return sent, new_errors
 
 
+def _own_changes(targets, bases, payload, support, anchored):
+    """Per sender: q = round(target − base) in ``payload`` on the support (float32 arithmetic, as the engine's
+    state), nothing off it, and the new base (base + q on the support); ``anchored``: q is the target itself, in
+    float32, and so is the new base. Returns ([q], [new base])."""
+    sent, new_bases = [], []
+    for target, base in zip(targets, bases):
+        q = target.masked_fill(~support, 0) if anchored else (target - base).to(payload).masked_fill(~support, 0)
+        sent.append(q)
+        new_bases.append(q.clone() if anchored else (base + q.float()).masked_fill(~support, 0))
+    return sent, new_bases
+
+
 def payload_ulp(sent) -> float:
     """One step of the payload's dtype at the largest value sent: how far one value rounded the other way
     (the engine forms z_i in float32, this reference in float64) can move z or an error."""
@@ -187,11 +199,12 @@ def _payload_average(sent):
     return _payload_sum(sent).div_(len(sent)).float()
 
 
-def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload, out):
+def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload, anchored, out):
     """The rack and global steps of one entry, on the global ``support``: w_r = (ρ2·Σ_{i∈r}(z_i + v_i) +
-    ρ3·(z − t_r)) / (N·ρ2 + ρ3), z = mean_r(w_r + t_r). With a narrow ``payload`` each sum travels as rounded
-    changes with error feedback: z_i + v_i − w_r + e_i (node leaders, ``ef``), w_r + t_r − z + f_r (rack
-    leaders, ``ef_spine``); the new errors and the payload step go into ``out``. Returns (w, t, w_old per rack,
+    ρ3·(z − t_r)) / (N·ρ2 + ρ3), z = mean_r(w_r + t_r). With a narrow ``payload`` each sum travels as its
+    senders' rounded changes against their own bases: z_i + v_i − s_i (node leaders, ``sent``; the rack's sum
+    recovered from its ``rack_sum``), w_r + t_r − s_r (rack leaders, ``sent_spine``); ``anchored``: whole values
+    in float32. The new bases, rack sums and the payload step go into ``out``. Returns (w, t, w_old per rack,
     z)."""
     d = lambda x: x.double()  # noqa: E731
     rho2, rho3, N = states[0]["rho2"][name], states[0]["rho3"][name], len(racks[0])
@@ -202,34 +215,39 @@ def _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload
     if payload is None:
         sums = [support * sum(z_i[i] + v[i] for i in nodes) for nodes in racks]
     else:
-        sums, out["ef"][name], ulps = [], [None] * len(node_ranks), []
+        sums, out["sent"][name], out["rack_sum"][name], ulps = [], [None] * len(node_ranks), [], []
         for k, nodes in enumerate(racks):
-            sent, errors = _rounded_changes([(z_i[i] + v[i]).float() for i in nodes], states[leader[k]]["w"][name],
-                                            [states[node_ranks[i][0]]["ef"][name] for i in nodes], payload, on)
-            for i, error in zip(nodes, errors):
-                out["ef"][name][i] = error
-            sums.append(d(_payload_sum(sent).float()) + N * w_old[k] * support)
+            sent, bases = _own_changes([(z_i[i] + v[i]).float() for i in nodes],
+                                       [states[node_ranks[i][0]]["sent"][name] for i in nodes], payload, on, anchored)
+            for i, base in zip(nodes, bases):
+                out["sent"][name][i] = base
+            rack_sum = _payload_sum(sent).float()
+            if not anchored:
+                rack_sum = rack_sum + states[leader[k]]["rack_sum"][name].masked_fill(~on, 0)
+            out["rack_sum"][name].append(rack_sum)
+            sums.append(d(rack_sum))
             ulps.append(payload_ulp(sent))
     w = [support * (rho2 * sums[k] + rho3 * (z_old - t[k])) / (N * rho2 + rho3) for k in range(len(racks))]
     if payload is None:
         return w, t, w_old, torch.stack([w[k] + t[k] for k in range(len(racks))]).mean(0) * support
-    sent, out["ef_spine"][name] = _rounded_changes([(w[k] + t[k]).float() for k in range(len(racks))],
-                                                   states[0]["z"][name],
-                                                   [states[r]["ef_spine"][name] for r in leader], payload, on)
+    sent, out["sent_spine"][name] = _own_changes([(w[k] + t[k]).float() for k in range(len(racks))],
+                                                 [states[r]["sent_spine"][name] for r in leader], payload, on,
+                                                 anchored)
     out["ulp"][name] = max(ulps + [payload_ulp(sent)])
-    return w, t, w_old, d(_payload_average(sent) + states[0]["z"][name].masked_fill(~on, 0))
+    return w, t, w_old, d(_payload_average(sent) + (0 if anchored else states[0]["z"][name].masked_fill(~on, 0)))
 
 
 def reference_round(states, node_ranks, specs, rho_max, adaptive=True, freezes=False, couplings=None, streams=(),
-                    restart="none", payload=None, racks=None, heads=(), global_budget=False):
+                    restart="none", payload=None, anchored=False, racks=None, heads=(), global_budget=False):
     """``states[r]``: rank r's snapshot before the round (theta, u, z_i, v, z, rho1, rho2, masks, buffers,
     frozen). Returns the expected state after it: u per rank, z_i / v per node, z, rho, masks, buffers, and θ
     per rank (where ``restart="global"`` moves it to z). ``adaptive``: residual balancing of ρ1, ρ2 and ρ3.
     ``freezes``: the masks freeze at the end of this round, cut to the requested structure from z. ``payload``
-    (a torch dtype narrower than float32, M > 1): what the leaders send is rounded(z_i + v_i − z_old + e_i) on
-    the support, e_i their leftover rounding error (``ef``, ``buffer_ef`` in the states, returned updated),
-    added up in node order in the payload's dtype, averaged, and added to z_old (the float buffers likewise
-    against ``round_buffers``). ``racks`` (the nodes of every rack; docs/algorithm.md, "A third tier: racks"):
+    (a torch dtype narrower than float32, M > 1): what the leaders send is rounded(z_i + v_i − s_i) on the
+    support, s_i their base (``sent`` in the states, returned updated: s_i + q), added up in node order in the
+    payload's dtype, averaged, and added to z_old; the float buffers as their change against ``round_buffers``
+    with error feedback (``buffer_ef``). ``anchored``: whole values in float32 instead, every base and error
+    starting again from them. ``racks`` (the nodes of every rack; docs/algorithm.md, "A third tier: racks"):
     three tiers, z_i answering to its rack's w_r (``w``, ``t``, ``rho3`` in the states, returned per rack).
     ``global_budget``: the projections keep the channels of one budget across layers (:func:`reference_budget`)."""
     M, P = len(node_ranks), len(node_ranks[0])
@@ -239,8 +257,8 @@ def reference_round(states, node_ranks, specs, rho_max, adaptive=True, freezes=F
     frozen = states[0]["frozen"]
     out = {"u": [{} for _ in states], "z_i": [{} for _ in range(M)], "v": [{} for _ in range(M)], "z": {},
            "rho1": {}, "rho2": {}, "masks": {}, "sent_masks": {}, "node_masks": {}, "buffers": {}, "residuals": {},
-           "ef": {}, "buffer_ef": {}, "ulp": {}, "w": [{} for _ in racks or ()], "t": [{} for _ in racks or ()], "rho3": {},
-           "ef_spine": {}, "buffer_ef_spine": {}}
+           "sent": {}, "buffer_ef": {}, "ulp": {}, "w": [{} for _ in racks or ()], "t": [{} for _ in racks or ()],
+           "rho3": {}, "sent_spine": {}, "rack_sum": {}, "buffer_ef_spine": {}}
     d = lambda t: t.double()  # noqa: E731
     couplings = couplings or {}
     cands = {}
@@ -274,16 +292,16 @@ def reference_round(states, node_ranks, specs, rho_max, adaptive=True, freezes=F
             support = torch.outer(rows, cols).reshape(z_old.shape).double()
         v = [d(states[ranks[0]]["v"][name]) for ranks in node_ranks]
         if racks:
-            w, t, w_old, z = _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload, out)
+            w, t, w_old, z = _rack_steps(name, states, node_ranks, racks, z_i, v, z_old, support, payload, anchored,
+                                         out)
             upper = [w[rack_of[i]] for i in range(M)]
         elif payload is None:
             z = torch.stack([z_i[i] + v[i] for i in range(M)]).mean(0) * support
         else:
-            sent, out["ef"][name] = _rounded_changes([(z_i[i] + v[i]).float() for i in range(M)],
-                                                     states[0]["z"][name],
-                                                     [states[ranks[0]]["ef"][name] for ranks in node_ranks],
-                                                     payload, support.bool())
-            z = d(_payload_average(sent) + states[0]["z"][name].masked_fill(~support.bool(), 0))
+            sent, out["sent"][name] = _own_changes([(z_i[i] + v[i]).float() for i in range(M)],
+                                                   [states[ranks[0]]["sent"][name] for ranks in node_ranks],
+                                                   payload, support.bool(), anchored)
+            z = d(_payload_average(sent) + (0 if anchored else states[0]["z"][name].masked_fill(~support.bool(), 0)))
             out["ulp"][name] = payload_ulp(sent)
         # consensus ADMM (Boyd et al. §7.1): every copy counts on both sides. The copies of z_i are the M·P
         # ranks' θ (each rank's own z_i moved), the copies of z are the M nodes' z_i.
@@ -334,6 +352,14 @@ def reference_round(states, node_ranks, specs, rho_max, adaptive=True, freezes=F
         node_means = [torch.stack([d(states[r]["buffers"][name]) for r in ranks]).mean(0).float()
                       for ranks in node_ranks]
         ones = torch.ones_like(node_means[0], dtype=torch.bool)
+        if anchored:   # whole means in float32 (each rack's mean of its nodes', then the mean over racks)
+            means = [_payload_sum([node_means[i] for i in nodes]) / len(nodes) for nodes in racks] if racks \
+                else node_means
+            out["buffers"][name] = _payload_average(means)
+            out["buffer_ef"][name] = [torch.zeros_like(m) for m in node_means]
+            out["buffer_ef_spine"][name] = [torch.zeros_like(m) for m in means] if racks else None
+            out["ulp"]["buffer " + name] = payload_ulp(node_means)
+            continue
         sent, out["buffer_ef"][name] = _rounded_changes(
             node_means, states[0]["round_buffers"][name], [states[ranks[0]]["buffer_ef"][name] for ranks in node_ranks],
             payload, ones)

@@ -15,6 +15,7 @@ class BucketLayout:
 
     def __init__(self, numels: Sequence[int], dtype: torch.dtype, device, bucket_bytes: int, zero_tail: int = 0):
         self.numels = [int(n) for n in numels]
+        self.dtype = dtype
         self.zero_tail = int(zero_tail)
         limit = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
         spans: List[List[int]] = []   # entry indices per bucket

@@ -1,12 +1,14 @@
 """What a node sends across nodes and how z is read back: z_i + v_i shrunk onto the global support into compact
-buckets, in a narrower dtype as the change since the last z with error feedback; z recovered from the average.
+buckets; with a narrower payload (bf16) each sender's change since what it last sent, and one round in
+:data:`ANCHOR_EVERY` the whole value in float32; z recovered from the average.
 
-No communication here (the exchange carries the buckets): tensors in, tensors out, and the rounding errors a
-round leaves, kept in :class:`prunex_hvd.engine.state.ConsensusState` once the round is accepted.
+No communication here (the exchange carries the buckets): tensors in, tensors out, and what a round leaves (each
+sender's new base, the buffers' rounding errors), kept in :class:`prunex_hvd.engine.state.ConsensusState` once the
+round is accepted. docs/algorithm.md, "A narrow inter-node payload", derives the coding.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -14,51 +16,94 @@ from . import sparsity
 from .buckets import BucketLayout
 from .state import ConsensusState, Entry
 
+# A narrow payload's bases drift from z by the rounding inside the payload's sum, which no sender sees: one round
+# in this many sends whole values in float32 and every base starts again from what was sent. Rare, because each
+# costs a round of float32 (here 1/128 more bytes over a run: ResNet-18 at channel:0.5 coupled sends 0.198× of
+# dense a round in bf16, so 0.1993× on average) and the drift is small (docs/algorithm.md).
+ANCHOR_EVERY = 128
+
+
+def code_change(target: torch.Tensor, sent: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A sender's change against its own base: q = round(target − sent) in ``dtype`` and the new base sent + q,
+    what the receivers now hold of this sender (``target`` is overwritten: the caller's own temporary). The
+    change shrinks as the sender's value settles, so its rounding does."""
+    q = target.sub_(sent).to(dtype)
+    return q, target.copy_(q).add_(sent)
+
+
+def code_with_feedback(target: torch.Tensor, base, error: torch.Tensor,
+                       dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """An average's change with error feedback: q = round(target − base + error) in ``dtype`` and the new error
+    (``target`` is overwritten). For plain averages (the float buffers), where no dual carries the rounding."""
+    delta = target.sub_(base).add_(error)
+    q = delta.to(dtype)
+    return q, delta.sub_(q)
+
 
 class PayloadCodec:
-    """Codes one rank's compact payload. With ``state.delta_coded`` (a payload narrower than the state: bf16) each
-    tensor travels as q = round(target − base + e), e the error its last rounding left; the new errors wait in
-    :attr:`pending` (and :attr:`pending_spine`, a rack leader's across the spine) until :meth:`commit`."""
+    """Codes one rank's compact payload. With ``state.delta_coded`` (a payload narrower than the state: bf16) an
+    entry travels as q = round(z_i + v_i − s_i), s_i the sender's base (what it has sent so far, summed), and the
+    float buffers as their change with error feedback; a round in :data:`ANCHOR_EVERY` (and one whose bases are
+    unknown: loaded from a state without them) is anchored: whole values in the state's dtype. The new bases and errors wait in :attr:`pending` (and
+    :attr:`pending_spine`, :attr:`pending_rack` with racks) until :meth:`commit`."""
 
     def __init__(self, state: ConsensusState):
         self.state = state
         self.pending: Optional[list] = None
         self.pending_spine: Optional[list] = None
+        self.pending_rack: Optional[list] = None
+        self.anchored = False   # this round's payload holds whole values (set by :meth:`fill`)
 
-    def encode(self, target: torch.Tensor, base, ef: torch.Tensor, e: Optional[Entry], pending: list) -> torch.Tensor:
-        """What a narrow payload carries for one tensor: q = round(target − base + ef) in the payload's dtype. The
-        new error target − base + ef − q (on the global support: pruned entries are dropped, as z's are) waits in
-        ``pending`` until the round is accepted."""
-        delta = target.sub_(base).add_(ef)   # ``target`` is the caller's own temporary
-        q = delta.to(self.state.payload_dtype)
-        error = delta.sub_(q)
-        if e is not None and e.structured:
-            error = sparsity.apply_masks(error, e.rows, e.cols)
-        pending.append(error)
+    def round_dtype(self) -> torch.dtype:
+        """The dtype of the next round's compact buckets: the payload's, or the state's in an anchored round."""
+        s = self.state
+        due = s.anchored_at is None or s.round - s.anchored_at >= ANCHOR_EVERY
+        return s.state_dtype if s.delta_coded and due else s.payload_dtype
+
+    def is_anchored(self, layout: BucketLayout) -> bool:
+        return self.state.delta_coded and layout.dtype != self.state.payload_dtype
+
+    def encode(self, target: torch.Tensor, sent: torch.Tensor, e: Optional[Entry], pending: list) -> torch.Tensor:
+        """One tensor of a narrow payload from ``target`` (the caller's own temporary): its change against
+        ``sent``, rounded, or in an anchored round ``target`` itself. The new base (on the global support:
+        pruned entries are dropped, as z's are) waits in ``pending``."""
+        if self.anchored:
+            q = new = target
+        else:
+            q, new = code_change(target, sent, self.state.payload_dtype)
+        pending.append(sparsity.apply_masks(new, e.rows, e.cols) if e is not None and e.structured else new.clone())
+        return q
+
+    def encode_average(self, target: torch.Tensor, base, error: torch.Tensor, pending: list) -> torch.Tensor:
+        """One float buffer of a narrow payload: its change with error feedback, or whole when anchored (its
+        error then starts again from zero)."""
+        if self.anchored:
+            pending.append(torch.zeros_like(error))
+            return target
+        q, new_error = code_with_feedback(target, base, error, self.state.payload_dtype)
+        pending.append(new_error)
         return q
 
     def fill(self, layout: BucketLayout, z_i_new: List[torch.Tensor], dense_views: List[torch.Tensor]) -> None:
         """Phase 4's payload: leaders shrink z_i + v_i onto the global support into the compact buckets (which
         the round then averages across nodes and hands to each node). One node: z = z_i + v, every rank has
-        it, nothing to exchange. A narrow payload carries z_i + v_i − z + e instead (with racks − w_r), rounded;
-        e, the rounding error, is sent again next round (error feedback), and z is recovered as z + the
-        average. The float buffers travel as the node's mean (``dense_views``: the node's sums)."""
+        it, nothing to exchange. A narrow payload carries each leader's change against its base instead (with
+        racks too: the rack recovers its sum from its own), rounded, and z is recovered as z + the average
+        change. The float buffers travel as the node's mean (``dense_views``: the node's sums), narrow: its
+        change since the last average, with error feedback."""
         s = self.state
         n, P = len(s.entries), s.topo.local_size
-        self.pending = []
+        self.pending, self.anchored = [], self.is_anchored(layout)
         if s.topo.is_leader or not s.inter_tier:
             for k, e in enumerate(s.entries):
                 c = z_i_new[k] + e.v
-                if s.delta_coded:   # one pass
-                    c = self.encode(c, e.w if s.rack_tier else e.z, e.ef, e, self.pending)
-                else:
-                    c = c.to(s.payload_dtype)
+                c = self.encode(c, e.sent, e, self.pending) if s.delta_coded else c.to(s.payload_dtype)
                 self.put(layout, k, e, c)
             for j, (_, b) in enumerate(s.buffers):
                 mean = dense_views[n + j].view_as(b) / P
                 if s.delta_coded:
-                    mean = self.encode(mean.to(s.state_dtype), s.round_buffers[j].to(s.state_dtype),
-                                       s.buffer_ef[j], None, self.pending)
+                    mean = self.encode_average(mean.to(s.state_dtype), s.round_buffers[j].to(s.state_dtype),
+                                               s.buffer_ef[j], self.pending)
                 layout.views[n + j].copy_(mean.reshape(-1))
 
     @staticmethod
@@ -85,7 +130,7 @@ class PayloadCodec:
             else:
                 z = layout.views[k].view_as(e.z).clone()
             z = z.to(s.state_dtype)
-            if s.delta_coded:
+            if s.delta_coded and not self.anchored:
                 base = e.z if bases is None else bases[k]
                 z += sparsity.apply_masks(base, e.rows, e.cols) if e.structured else base
             z_new.append(z)
@@ -98,18 +143,21 @@ class PayloadCodec:
         averages = []
         for j, (_, b) in enumerate(s.buffers):
             avg = layout.views[n + j].view_as(b)
-            if s.delta_coded:
+            if s.delta_coded and not self.anchored:
                 avg = (s.round_buffers[j].to(s.state_dtype) + avg.to(s.state_dtype)).to(b.dtype)
             averages.append(avg)
         return averages
 
     def commit(self) -> None:
-        """The round is accepted: its rounding errors become the ones the next round sends again."""
+        """The round is accepted: its senders' new bases (and the buffers' errors) become the next round's."""
         s = self.state
-        if s.delta_coded and self.pending:   # leaders: the errors of this round's rounding
-            for ef, new in zip([e.ef for e in s.entries] + s.buffer_ef, self.pending):
-                ef.copy_(new)
-        if s.delta_coded and self.pending_spine:   # rack leaders: the spine's
-            for ef, new in zip([e.ef_spine for e in s.entries] + s.buffer_ef_spine, self.pending_spine):
-                ef.copy_(new)
-        self.pending = self.pending_spine = None
+        kept = ((self.pending, [e.sent for e in s.entries] + s.buffer_ef),              # node leaders
+                (self.pending_spine, [e.sent_spine for e in s.entries] + s.buffer_ef_spine),   # rack leaders
+                (self.pending_rack, [e.rack_sum for e in s.entries]))                   # every rank of a rack
+        for new, old in kept:
+            if s.delta_coded and new:
+                for t, value in zip(old, new):
+                    t.copy_(value)
+        if self.anchored:
+            s.anchored_at = s.round
+        self.pending = self.pending_spine = self.pending_rack = None

@@ -74,9 +74,10 @@ class ConsensusConfig:
       (default) caps them where a round's steps would pull θ back once its distance to the consensus:
       (1 − momentum)/(lr · local_steps) from the wrapped optimizer, logged on rank 0. A higher cap damps the
       global model's moves; a lower one frees the nodes.
-    * ``payload_dtype`` — ``"bf16"`` (default) sends the change since the last consensus in bfloat16 with error
-      feedback: half the inter-node bytes of float32 at the same accuracy. ``None``: the model's dtype; ``"fp16"``
-      can overflow (the round is then refused, named).
+    * ``payload_dtype`` — ``"bf16"`` (default) sends each leader's change since what it last sent, in bfloat16,
+      and one round in 128 whole in float32 (docs/algorithm.md, "A narrow inter-node payload"): about half of
+      float32's inter-node bytes. ``None``: the model's dtype; ``"fp16"`` can overflow (the round is then
+      refused, named).
     * ``overlap`` — hide the inter-node exchange behind the next round's first local steps: ``True`` folds it in
       after a quarter of a round, ``N`` after N steps (fold after the fewest steps that cover the exchange). On
       where the exchange is a large share of a round (a slow link); off by default.
@@ -133,9 +134,9 @@ class ConsensusConfig:
                                    "its steps left it: the paper's round)", agree="round")
     node_sync: bool = _knob(True, "average gradients over the node's ranks before every step (fast links): each "
                                   "node trains as one data-parallel worker", agree="round")
-    payload_dtype: Optional[str] = _knob("bf16", "what the inter-node exchange carries: bf16 / fp16 (the change "
-                                                 "since the last z, with error feedback), fp32, or None (the model's "
-                                                 "dtype)", agree="round")
+    payload_dtype: Optional[str] = _knob("bf16", "what the inter-node exchange carries: bf16 / fp16 (each "
+                                                 "leader's change since what it sent; one round in 128 whole, in "
+                                                 "float32), fp32, or None (the model's dtype)", agree="round")
     overlap: Union[bool, int] = _knob(False, "leave each round's inter-node exchange in flight during the next "
                                              "round's first steps: True (a quarter of a round) or N steps",
                                       agree="round")

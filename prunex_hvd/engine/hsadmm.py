@@ -111,10 +111,10 @@ class HSADMM:
                 self.guard(AT_ROUND, steps)
             t0, before = time.perf_counter(), self.exchange.ledger.summary(by_op=False)
             if self.overlap.enabled and self.state.frozen:   # 1–4 now, 5–10 after the next steps
-                wait, numel = self.overlap.start(steps)
+                wait, payload = self.overlap.start(steps)
             else:
-                wait, numel = self._round(steps)
-            return self.traffic.round(before, time.perf_counter() - t0, numel, wait,
+                wait, payload = self._round(steps)
+            return self.traffic.round(before, time.perf_counter() - t0, payload, wait,
                                       self.overlap.in_flight is not None, self.masks.density())
 
     def _round(self, steps: Optional[int]) -> tuple:
@@ -130,7 +130,7 @@ class HSADMM:
                 for e in self.entries:
                     e.param.copy_(e.z)
         self.steps.set_compact_compute()
-        return wait, layout.total_numel
+        return wait, layout
 
     def start_round(self) -> tuple:
         """Phases 1–4 up to the exchange: (this rank's inf/NaN flags, the new z_i, the masks to put back if the
@@ -142,7 +142,7 @@ class HSADMM:
                    for k, e in enumerate(s.entries)]
         masks_before = self.masks.saved()                                         #    (put back if refused at 6)
         self.masks.project(z_i_new)                                               # 3. Π_S and the leaders' OR
-        layout = self.masks.compact_layout()                                      # 4. the compact payload
+        layout = self.masks.compact_layout(self.codec.round_dtype())             # 4. the compact payload
         self.codec.fill(layout, z_i_new, self.exchange.dense.views)
         return nonfinite, z_i_new, masks_before, layout
 

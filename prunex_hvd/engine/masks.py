@@ -154,16 +154,17 @@ class MaskPolicy:
                              for e in self.state.structured]
         return self._support
 
-    def compact_layout(self) -> BucketLayout:
-        """The compact buckets, made again whenever the masks change. Layers with a gather plan (CUDA; CPU
-        without the native kernel) recover z by one gather from their bucket slice (:attr:`gathers`), pruned
-        chunks reading a zero row kept past each bucket's end (never sent): z is written once, not zero-filled
-        and then scattered. (On CPU the kernel's plan does the same in one pass.)"""
+    def compact_layout(self, dtype: Optional[torch.dtype] = None) -> BucketLayout:
+        """The compact buckets in ``dtype`` (the payload's by default), made again whenever the masks change.
+        Layers with a gather plan (CUDA; CPU without the native kernel) recover z by one gather from their bucket
+        slice (:attr:`gathers`), pruned chunks reading a zero row kept past each bucket's end (never sent): z is
+        written once, not zero-filled and then scattered. (On CPU the kernel's plan does the same in one pass.)"""
         s = self.state
-        if self.compact is None:
+        dtype = dtype or s.payload_dtype
+        if self.compact is None or self.compact.dtype != dtype:
             tail = 2 * max((e.plan.chunk for e in s.structured if isinstance(e.plan, sparsity.GatherPlan)),
                            default=0)
-            self.compact = s.layout((e.compact_numel() for e in s.entries), zero_tail=tail, dtype=s.payload_dtype)
+            self.compact = s.layout((e.compact_numel() for e in s.entries), zero_tail=tail, dtype=dtype)
         if self._gathers_of is not self.compact:   # a new layout, or one restored with its masks
             self.gathers, self._gathers_of = {}, self.compact
             for k, e in enumerate(s.entries):

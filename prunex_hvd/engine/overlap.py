@@ -23,7 +23,7 @@ class InFlight:
     masks_before: tuple              # put back if the round is refused
     layout: BucketLayout             # the compact buckets: the average, once received
     works: list                      # the leaders' async allreduces (none once received)
-    pending_ef: Optional[list]       # a narrow payload's new rounding errors (leaders)
+    pending: Optional[list]          # a narrow payload's new bases and errors (leaders)
     theta_sent: Optional[List[torch.Tensor]] = None   # θ as sent (restart: the fold rebases the steps since on z)
     received: bool = False
     steps_since: int = 0             # local steps taken since it started (overlap_steps folds it in)
@@ -43,7 +43,7 @@ class OverlappedRounds:
     def start(self, steps: Optional[int]) -> tuple:
         """Fold in the round in flight if no step did (phases 5–10), then run this round's phases 1–4 and leave its
         inter-node exchange in flight, from θ as sent. Only the steps taken before the fold see stale values: the
-        point they start from and ρ1 (the previous round's). Returns (the wait, the compact numel)."""
+        point they start from and ρ1 (the previous round's). Returns (the wait, the compact buckets)."""
         eng = self.engine
         wait = self.fold() if self.in_flight is not None else 0.0
         nonfinite, z_i_new, masks_before, layout = eng.start_round()   # 1–4 (the mask OR blocks; it is small)
@@ -52,12 +52,12 @@ class OverlappedRounds:
         works = eng.exchange.start(layout)            # 4. the exchange starts; the node goes on stepping
         self.in_flight = InFlight(steps=steps, nonfinite=nonfinite, z_i=z_i_new, du=du, theta_sq=theta_sq,
                                   masks_before=masks_before, layout=layout, works=works,
-                                  pending_ef=eng.codec.pending,
+                                  pending=eng.codec.pending,
                                   theta_sent=[e.param.detach().clone() for e in eng.entries]
                                   if eng.config.restart != "none" else None)
         eng.codec.pending = None
         eng.steps.refresh_prox(self.in_flight)   # the local steps pull toward this round's z_i already
-        return wait, layout.total_numel
+        return wait, layout
 
     def after_step(self) -> None:
         f = self.in_flight
@@ -82,7 +82,8 @@ class OverlappedRounds:
         the restart, with the steps taken since kept on top."""
         eng, f = self.engine, self.in_flight
         wait = self.receive()
-        self.in_flight, eng.codec.pending = None, f.pending_ef
+        self.in_flight, eng.codec.pending = None, f.pending
+        eng.codec.anchored = eng.codec.is_anchored(f.layout)
         try:                                          # 5–9 (a rank's own buffers follow its steps)
             eng.settle(f.z_i, f.layout, f.nonfinite, f.steps, f.theta_sq, f.masks_before, du=f.du,
                        own_buffers=True)
@@ -109,7 +110,7 @@ class OverlappedRounds:
             "theta_sq": torch.stack(f.theta_sq).cpu(), "payload": [b.clone() for b in f.layout.buffers],
             "masks_before": [(m[0].clone(), m[1].clone()) for m in f.masks_before[0]],
             "mask_drift_before": f.masks_before[1],
-            "pending_ef": None if f.pending_ef is None else [t.clone() for t in f.pending_ef],
+            "pending": None if f.pending is None else [t.clone() for t in f.pending],
             "steps_since": f.steps_since,
             "theta_sent": None if f.theta_sent is None else dict(zip(names, (t.clone() for t in f.theta_sent)))}
 
@@ -123,7 +124,8 @@ class OverlappedRounds:
                              "overlap=True (the round is folded in after the next steps)")
         eng = self.engine
         device = eng.state.device
-        layout = eng.masks.compact_layout()   # the round's masks are the entries' own (saved with them)
+        # the round's masks are the entries' own (saved with them), its payload's dtype the saved one
+        layout = eng.masks.compact_layout(s["payload"][0].dtype if s["payload"] else None)
         if [b.numel() for b in layout.buffers] != [b.numel() for b in s["payload"]]:
             raise ValueError("engine state: the round in flight does not fit the saved masks' compact layout")
         for buf, saved in zip(layout.buffers, s["payload"]):
@@ -140,6 +142,6 @@ class OverlappedRounds:
             du=[s["du"][n].to(device).clone() for n in names],
             theta_sq=list(s["theta_sq"].to(device).unbind(0)),
             masks_before=(before, float(s["mask_drift_before"]), None), layout=layout, works=[],
-            pending_ef=None if s["pending_ef"] is None else [t.to(device).clone() for t in s["pending_ef"]],
+            pending=None if s.get("pending") is None else [t.to(device).clone() for t in s["pending"]],
             received=True, steps_since=int(s["steps_since"]),
             theta_sent=None if s["theta_sent"] is None else [s["theta_sent"][n].to(device).clone() for n in names])

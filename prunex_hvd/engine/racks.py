@@ -47,9 +47,9 @@ class RackExchange(Exchange):
         rack's candidate w_r from it, on the global support; (c) the rack leaders average w_r + t_r across the
         spine, in the same buckets (the sum has been read), and the average goes back down the rack and the
         node. The float buffers ride along: each rack's mean of its nodes' means, then the mean over racks. A
-        narrow payload carries changes at both levels, each with its own error feedback: z_i + v_i − w_r + e_i
-        into the rack, w_r + t_r − z + f_r across the spine. Returns the new w_r; ``layout`` then holds z's
-        payload."""
+        narrow payload carries changes at both levels, each against its sender's own base: z_i + v_i − s_i into
+        the rack (the rack's sum recovered from the sum of its nodes' bases, which every rank of the rack keeps),
+        w_r + t_r − s_r across the spine. Returns the new w_r; ``layout`` then holds z's payload."""
         s = self.state
         N, n = self.topo.nodes_per_rack, len(s.entries)
         codec.pending_spine = []
@@ -59,22 +59,23 @@ class RackExchange(Exchange):
                     self.groups.rack.allreduce_(buf, "sum")
                 self.groups.intra.broadcast_(buf, root=0)
         w_new = []                                    # (b) the rack candidate, the same on every rank of the rack
-        sums = codec.recover(layout, gathers, [e.w * N for e in s.entries] if s.delta_coded else None)
+        sums = codec.recover(layout, gathers, [e.rack_sum for e in s.entries] if s.delta_coded else None)
+        codec.pending_rack = sums if s.delta_coded else None
         for e, rack_sum in zip(s.entries, sums):
             w = admm.rack_candidate(rack_sum, e.z, e.t, e.rho2, e.rho3, N)
             w_new.append(sparsity.apply_masks(w, e.rows, e.cols) if e.structured else w)
         if self.topo.is_rack_leader:                  # (c) w_r + t_r across the spine, compact
             for k, e in enumerate(s.entries):
                 c = w_new[k] + e.t
-                c = codec.encode(c, e.z, e.ef_spine, e, codec.pending_spine) if s.delta_coded \
+                c = codec.encode(c, e.sent_spine, e, codec.pending_spine) if s.delta_coded \
                     else c.to(s.payload_dtype)
                 codec.put(layout, k, e, c)
         for j in range(len(s.buffers)):               # the rack's mean (of the nodes' changes, narrow)
-            if not s.delta_coded:
+            if s.delta_coded and self.topo.is_rack_leader:
+                layout.views[n + j].copy_(codec.encode_average(layout.views[n + j].to(s.state_dtype).div_(N), 0.0,
+                                                               s.buffer_ef_spine[j], codec.pending_spine))
+            elif not s.delta_coded:
                 layout.views[n + j].div_(N)
-            elif self.topo.is_rack_leader:
-                layout.views[n + j].copy_(codec.encode(layout.views[n + j].to(s.state_dtype).div_(N), 0.0,
-                                                       s.buffer_ef_spine[j], None, codec.pending_spine))
         with self.ledger.tagged("consensus"):
             for buf in layout.buffers:
                 if self.groups.spine is not None:

@@ -3,11 +3,10 @@ beside what the consensus payload and its dense counterfactual put on their carr
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..dist.comm.accounting import ring_cross_node_bytes
+from .buckets import BucketLayout
 
 NO_BYTES = {"inter": 0, "intra": 0, "inter_consensus": 0, "dense_inter": 0, "cross_rack": 0}
 
@@ -34,14 +33,16 @@ class Traffic:
         self.bytes["cross_rack"] += cross_rack
         return cross, intra, cross_rack
 
-    def round(self, before: dict, seconds: float, compact_numel: Optional[int], wait: float, in_flight: bool,
+    def round(self, before: dict, seconds: float, payload: BucketLayout, wait: float, in_flight: bool,
               density: float) -> dict:
         """The round's report. Bytes as the ring model puts them on the wire: ``inter`` = what crossed node
         boundaries, ``intra`` = the rest. The consensus exchange and its dense counterfactual are counted on the
-        group that carries it (the leaders; the one group of a flat consensus), so their ratio is exact."""
+        group that carries it (the leaders; the one group of a flat consensus), so their ratio is exact;
+        ``payload``: the round's compact buckets."""
         s = self.state
         cross, intra, cross_rack = self.count(before)
         dense_numel = self.exchange.dense.total_numel
+        compact_numel = payload.total_numel
         if s.topo.num_nodes == 1:             # flat: every rank's dense θ+u sum is the exchange
             compact_numel = dense_numel
         hops = self.exchange.carriers()
@@ -53,7 +54,7 @@ class Traffic:
                     sizes = [numel * comm.wire_dtype(dtype).itemsize] * comm.size
                     total += ring_cross_node_bytes(op, sizes, comm.rank, comm.nodes)
             return total
-        consensus = on_carrier(compact_numel, s.payload_dtype if s.topo.num_nodes > 1 else s.dtype)
+        consensus = on_carrier(compact_numel, payload.dtype if s.topo.num_nodes > 1 else s.dtype)
         dense = on_carrier(dense_numel, s.dtype)   # (in the model's dtype)
         self.bytes["inter_consensus"] += consensus
         self.bytes["dense_inter"] += dense

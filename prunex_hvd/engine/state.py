@@ -33,11 +33,12 @@ class Entry:
     col_idx: Optional[torch.Tensor] = None
     plan: Optional[sparsity.Plan] = None   # shrink and recover as one pass each, while masks hold
     residuals: Dict[str, float] = field(default_factory=dict)
-    ef: Optional[torch.Tensor] = None      # a narrow payload's rounding error, sent again next round (leaders)
+    sent: Optional[torch.Tensor] = None    # a narrow payload: what this node leader has sent, summed (its base)
     w: Optional[torch.Tensor] = None       # three tiers: the rack consensus w_r (v is then z_i's dual against it)
     t: Optional[torch.Tensor] = None       # w_r's dual against z
     rho3: float = 0.0                      # w_r's pull toward z
-    ef_spine: Optional[torch.Tensor] = None   # three tiers, narrow payload: the rack leader's rounding error
+    sent_spine: Optional[torch.Tensor] = None   # three tiers, narrow payload: the rack leader's base
+    rack_sum: Optional[torch.Tensor] = None     # three tiers, narrow payload: the sum of the rack's nodes' bases
 
     def set_masks(self, rows: torch.Tensor, cols: torch.Tensor) -> None:
         self.rows, self.cols = rows, cols
@@ -74,7 +75,7 @@ class ConsensusState:
         self.inter_tier = topo.num_nodes > 1   # one node: z = z_i, nothing to balance across nodes
         # racks: θ → z_i → w_r → z (one rack, or one node per rack, is the two-tier round unchanged)
         self.rack_tier = self.inter_tier and config.rack_tier and bool(topo.rack_nodes) and topo.num_racks > 1
-        # what crosses nodes; narrower than the state: the change since the last z, with error feedback
+        # what crosses nodes; narrower than the state: each sender's change against its own base (codec.py)
         self.payload_dtype = PAYLOAD_DTYPES[config.payload_dtype] or self.dtype
         self.delta_coded = (self.inter_tier and config.payload_dtype is not None
                             and self.payload_dtype.itemsize < self.state_dtype.itemsize)
@@ -82,6 +83,9 @@ class ConsensusState:
         self.entries: List[Entry] = []
         self.structured: List[Entry] = []
         self.round = 0
+        # a narrow payload: the round whose whole values last set every base (0: the start, every base z; None:
+        # the bases are unknown, so the next round sends whole values)
+        self.anchored_at: Optional[int] = None
         self.frozen = False
         self.finalized = False   # finalize() wrote the consensus model: training has ended
         self.stable_rounds = 0
@@ -95,17 +99,20 @@ class ConsensusState:
             theta = p.detach().to(self.state_dtype)
             e = Entry(name, p, self.specs.get(name), u=torch.zeros_like(theta), z_i=theta.clone(),
                       v=torch.zeros_like(theta), z=theta.clone(), rho1=float(config.rho1), rho2=float(config.rho2),
-                      ef=torch.zeros_like(theta) if self.delta_coded else None)
+                      sent=theta.clone() if self.delta_coded and self.topo.is_leader else None)   # starts at z
             if self.rack_tier:   # w_r starts where z does, its dual at zero
                 e.w, e.t = theta.clone(), torch.zeros_like(theta)
                 e.rho3 = float(config.rho3 if config.rho3 is not None else config.rho2)
-                e.ef_spine = torch.zeros_like(theta) if self.delta_coded else None
+                if self.delta_coded:   # the rack's sum of its nodes' bases N·z (every rank), its leader's base z
+                    e.rack_sum = theta * self.topo.nodes_per_rack
+                    e.sent_spine = theta.clone() if self.topo.is_rack_leader else None
             if e.structured:   # masks start all ones
                 c_out = theta.shape[0]
                 e.set_masks(torch.ones(c_out, dtype=torch.bool, device=self.device),
                             torch.ones(theta.numel() // c_out, dtype=torch.bool, device=self.device))
             self.entries.append(e)
         self.structured = [e for e in self.entries if e.structured]
+        self.anchored_at = 0 if self.delta_coded else None
         self.round_buffers = [b.clone() for _, b in self.buffers]   # averaged in the last round: z's partner
         self.buffer_ef = [torch.zeros_like(b, dtype=self.state_dtype) for _, b in self.buffers] \
             if self.delta_coded else []
@@ -171,15 +178,17 @@ class ConsensusState:
     def state_dict(self) -> dict:
         return {
             "owner": self.owner(),
-            "round": self.round, "frozen": self.frozen, "stable_rounds": self.stable_rounds,
+            "round": self.round, "anchored_at": self.anchored_at, "frozen": self.frozen,
+            "stable_rounds": self.stable_rounds,
             "mask_drift": self.mask_drift,
             "entries": {e.name: {"u": e.u.clone(), "z_i": e.z_i.clone(), "v": e.v.clone(), "z": e.z.clone(),
                                  "rho1": e.rho1, "rho2": e.rho2, "residuals": dict(e.residuals),
                                  "rows": None if e.rows is None else e.rows.clone(),
                                  "cols": None if e.cols is None else e.cols.clone(),
-                                 "ef": None if e.ef is None else e.ef.clone(),
+                                 "sent": None if e.sent is None else e.sent.clone(),
                                  **({"w": e.w.clone(), "t": e.t.clone(), "rho3": e.rho3,
-                                     "ef_spine": None if e.ef_spine is None else e.ef_spine.clone()}
+                                     "sent_spine": None if e.sent_spine is None else e.sent_spine.clone(),
+                                     "rack_sum": None if e.rack_sum is None else e.rack_sum.clone()}
                                     if e.w is not None else {})}
                         for e in self.entries},
             "round_buffers": {name: b.clone() for (name, _), b in zip(self.buffers, self.round_buffers)},
@@ -213,14 +222,15 @@ class ConsensusState:
                 getattr(e, key).copy_(s[key])
             if self.rack_tier:
                 e.rho3 = float(s["rho3"])
-            if e.ef_spine is not None:
-                e.ef_spine.copy_(s["ef_spine"] if s.get("ef_spine") is not None else torch.zeros_like(e.ef_spine))
             e.rho1, e.rho2, e.residuals = float(s["rho1"]), float(s["rho2"]), dict(s["residuals"])
-            if e.ef is not None:   # a narrow payload's pending error (zero if saved without one)
-                e.ef.copy_(s["ef"] if s.get("ef") is not None else torch.zeros_like(e.ef))
+            for key in ("sent", "sent_spine", "rack_sum"):   # a narrow payload's bases
+                if getattr(e, key) is not None and s.get(key) is not None:
+                    getattr(e, key).copy_(s[key])
             if e.structured:
                 e.set_masks(s["rows"].to(self.device).clone(), s["cols"].to(self.device).clone())
         self.round, self.frozen = int(sd["round"]), bool(sd["frozen"])
+        # saved without bases (another payload, or an earlier version; the same on every rank): anchor the next round
+        self.anchored_at = sd.get("anchored_at") if self.delta_coded else None
         self.stable_rounds, self.mask_drift = int(sd["stable_rounds"]), float(sd["mask_drift"])
         saved = sd.get("round_buffers", {})   # absent in older checkpoints: saved at a round, buffers were averaged
         for (name, b), avg in zip(self.buffers, self.round_buffers):

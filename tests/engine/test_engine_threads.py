@@ -42,7 +42,7 @@ RUNS = [(layout, "channel") for layout in LAYOUTS] + \
 # the round's other knobs, each against the reference of its math (the cases run cases.paper_config: the paper's
 # round restarting at z)
 LEVERS = {"paper-round": dict(restart="none"),   # θ left where its steps took it
-          # a narrow payload: the change since z, rounded, with error feedback (reference: the same rounding)
+          # a narrow payload: each leader's change against its base, rounded (reference: the same rounding)
           "bf16": dict(payload_dtype="bf16"),
           "fp16": dict(payload_dtype="fp16"),
           # the recipe's round (node_sync, bf16) with every ρ held (no residual balancing)
@@ -256,6 +256,28 @@ def test_overlapped_rounds_match_the_delayed_reference(run):
     assert overlapped.count(True) >= 1
 
 
+@pytest.mark.parametrize("overlapped", [False, True], ids=["blocking", "overlapped"])
+def test_a_bf16_payload_anchored_every_other_round_matches_the_reference(monkeypatch, overlapped):
+    """A narrow payload anchored every 2 rounds: rounds 1 and 2 code each leader's change against its base (z at
+    the start), round 3 sends whole values in float32 and every base starts again from them, round 4 codes
+    changes again: the reference round by round, and the bytes of each (bf16, float32 in round 3)."""
+    from prunex_hvd.engine import codec
+    monkeypatch.setattr(codec, "ANCHOR_EVERY", 2)
+    kind, sparsity, coupled, want_specs, want_pairs, want_streams = CASES["mixed"]
+    knobs = dict(node_sync=True, payload_dtype="bf16")
+    if overlapped:
+        cluster, runs, _ = train_overlapped_on_threads(2, 3, kind, sparsity, coupled, freeze_round=1, **knobs)
+        eng = runs[0]["engine"]
+        ref_rounds = cases.check_overlapped_rounds(runs, cluster[0].topo.node_ranks, eng)
+        results = [run["result"] for run in runs]
+        results[0].update(checks=len(runs) * cases.ROUNDS, ref_rounds=ref_rounds)
+        cases.check_results(results, want_specs, payload_bytes=2, freeze_round=1)
+    else:
+        cluster, runs, _ = train_on_threads(2, 3, kind, sparsity, coupled, **knobs)
+        ref_rounds = check_against_the_reference(cluster, runs, want_specs, want_pairs, want_streams)
+    assert [r["anchored"] for r in ref_rounds] == [False, False, True, False]
+
+
 def test_overlap_with_one_node_is_the_blocking_round():
     """With one node there is no inter-node exchange to overlap: the round is the blocking one."""
     cluster, runs, _ = train_on_threads(1, 2, "chain", "channel:0.5", False, overlap=True)
@@ -265,24 +287,29 @@ def test_overlap_with_one_node_is_the_blocking_round():
                           cluster[0].topo.node_ranks, runs[0]["engine"])
 
 
-def test_half_payload_errors_are_kept_in_state_dict():
-    """The leaders' rounding errors (error feedback) are engine state: saved, restored, zero on the ranks that
-    send nothing across and in a checkpoint written without them."""
+def test_half_payload_bases_are_kept_in_state_dict():
+    """A narrow payload's bases (each leader's sent values, summed; nobody else keeps one) and the buffers'
+    rounding errors are engine state: saved and restored; a checkpoint written without them (another payload, an
+    earlier version) anchors the next round (whole values)."""
     cluster, runs, _ = train_on_threads(2, 2, "chain", "channel:0.5", False, payload_dtype="bf16")
     for rank, run in zip(cluster, runs):
         eng = run["engine"]
         sd = eng.state_dict()
-        errors = [s["ef"] for s in sd["entries"].values()] + list(sd["buffer_ef"].values())
-        assert any(bool(t.any()) for t in errors) == rank.topo.is_leader
-        for e in eng.entries:
-            e.ef.fill_(7.0)
+        assert all((s["sent"] is not None) == rank.topo.is_leader for s in sd["entries"].values())
+        assert any(bool(t.any()) for t in sd["buffer_ef"].values()) == rank.topo.is_leader
+        assert sd["anchored_at"] == 0 and eng.codec.round_dtype() == torch.bfloat16   # no round anchored yet
+        for e in eng.entries if rank.topo.is_leader else ():
+            e.sent.fill_(7.0)
+        eng.state.anchored_at = None
         eng.load_state_dict(sd)
-        assert all(torch.equal(e.ef, sd["entries"][e.name]["ef"]) for e in eng.entries)
+        assert all(torch.equal(e.sent, sd["entries"][e.name]["sent"]) for e in eng.entries if e.sent is not None)
+        assert eng.state.anchored_at == 0
         for s in sd["entries"].values():
-            del s["ef"]
-        del sd["buffer_ef"]
+            del s["sent"]
+        del sd["buffer_ef"], sd["anchored_at"]
         eng.load_state_dict(sd)
-        assert not any(bool(e.ef.any()) for e in eng.entries) and not any(bool(t.any()) for t in eng.state.buffer_ef)
+        assert not any(bool(t.any()) for t in eng.state.buffer_ef)
+        assert eng.state.anchored_at is None and eng.codec.round_dtype() == torch.float32
 
 
 def reference_node_steps(runs, node_ranks, kind, rho_of):

@@ -22,7 +22,7 @@ RACK_RUNS = [((4, 2, 2), "channel", {}),
              ((6, 1, 2), "channel", dict(rho3=0.005)),
              ((4, 2, 2), "streams", dict(restart="none", node_sync=True)),
              ((4, 1, 2), "channel", dict(adaptive_rho=False, rho3=0.1)),
-             # a narrow payload: rounded changes at the rack and across the spine, each with error feedback
+             # a narrow payload: rounded changes at the rack and across the spine, each against its senders' bases
              ((4, 2, 2), "channel", dict(payload_dtype="bf16", node_sync=True)),
              ((6, 1, 2), "mixed", dict(payload_dtype="fp16")),
              ((6, 1, 3), "coupled", dict(payload_dtype="bf16")),
@@ -46,6 +46,18 @@ def test_three_tier_rounds_match_the_reference(shape, case, knobs):
         assert_nodes_chose_apart(ref_rounds, eng)
     residuals = runs[0]["engine"].entries[0].residuals
     assert set(residuals) == {"r_intra", "s_intra", "r_inter", "s_inter", "r_spine", "s_spine"}
+
+
+def test_racks_with_a_bf16_payload_anchored_every_other_round_match_the_reference(monkeypatch):
+    """Anchored every 2 rounds: both levels send whole values in round 3 (the nodes' bases, the racks' sums of
+    them and the rack leaders' bases start again), changes against them in rounds 1, 2 and 4."""
+    from prunex_hvd.engine import codec
+    monkeypatch.setattr(codec, "ANCHOR_EVERY", 2)
+    kind, sparsity, coupled, want_specs, want_pairs, want_streams = CASES["channel"]
+    cluster, runs, _ = train_on_threads(4, 2, kind, sparsity, coupled, nodes_per_rack=2, payload_dtype="bf16",
+                                        node_sync=True)
+    ref_rounds = check_against_the_reference(cluster, runs, want_specs, want_pairs, want_streams)
+    assert [r["anchored"] for r in ref_rounds] == [False, False, True, False]
 
 
 def _run(shape, **knobs):
@@ -103,8 +115,8 @@ def test_what_the_rack_tier_lacks_is_refused_on_every_rank(knobs, named):
 
 
 def test_three_tier_state_dict_resumes_bit_for_bit_and_fits_only_three_tiers():
-    """state_dict() after round 2 of 4 on 2 racks × 2 nodes × 2 ranks (bf16 payload: both levels' rounding errors
-    are state), loaded into fresh engines: the resumed run ends bit for bit where the uninterrupted one does. An
+    """state_dict() after round 2 of 4 on 2 racks × 2 nodes × 2 ranks (bf16 payload: both levels' bases are
+    state), loaded into fresh engines: the resumed run ends bit for bit where the uninterrupted one does. An
     engine without the rack tier refuses that state."""
     config = cases.paper_config(sparsity="channel:0.5", node_sync=True, payload_dtype="bf16", rho3=0.01)
     native.module()
@@ -118,7 +130,8 @@ def test_three_tier_state_dict_resumes_bit_for_bit_and_fits_only_three_tiers():
     for r in range(8):
         assert all(torch.equal(whole[r][0][k], resumed[r][0][k]) for k in whole[r][0]), f"rank {r}"
     saved = whole[0][2]["engine"]
-    assert {"w", "t", "rho3", "ef_spine"} <= set(saved["entries"]["0.weight"])
-    assert saved["entries"]["0.weight"]["ef_spine"].abs().sum() > 0 and saved["buffer_ef_spine"]
+    assert {"w", "t", "rho3", "sent_spine", "rack_sum"} <= set(saved["entries"]["0.weight"])
+    assert saved["entries"]["0.weight"]["sent_spine"].abs().sum() > 0 and saved["buffer_ef_spine"]
+    assert saved["entries"]["0.weight"]["rack_sum"].abs().sum() > 0
     with pytest.raises(RankFailed, match="saved with the rack tier, resumed without it"):
         job(saved=[r[2] for r in whole], rack_tier=False)

@@ -10,12 +10,12 @@ def trained_state(**knobs):
     s = make_state(payload_dtype="bf16", **knobs)
     torch.manual_seed(3)
     for e in s.entries:
-        for t in (e.u, e.z_i, e.v, e.z, e.ef):
+        for t in (e.u, e.z_i, e.v, e.z, e.sent):
             t.normal_()
         e.rho1, e.rho2, e.residuals = 0.02, 0.004, {"r_intra": 1.5}
     for ef in s.buffer_ef:
         ef.normal_()
-    s.round, s.frozen, s.stable_rounds, s.mask_drift = 5, True, 2, 0.25
+    s.round, s.anchored_at, s.frozen, s.stable_rounds, s.mask_drift = 5, 1, True, 2, 0.25
     return s
 
 
@@ -24,7 +24,8 @@ def test_a_state_loads_bit_for_bit_into_a_fresh_one():
     fresh = make_state(payload_dtype="bf16")
     fresh.load_state_dict(saved)
     again = fresh.state_dict()
-    assert (again["round"], again["frozen"], again["stable_rounds"], again["mask_drift"]) == (5, True, 2, 0.25)
+    assert (again["round"], again["anchored_at"], again["frozen"], again["stable_rounds"], again["mask_drift"]) == \
+        (5, 1, True, 2, 0.25)
     for name, entry in saved["entries"].items():
         for key, value in entry.items():
             other = again["entries"][name][key]
@@ -49,7 +50,7 @@ def test_the_tiers_follow_the_topology_and_the_payload():
     assert not make_state(topo=topology(num_nodes=1, local_size=2), payload_dtype="bf16").delta_coded   # one node
     s = make_state(payload_dtype="bf16")
     assert s.delta_coded and s.inter_tier and not s.rack_tier
-    assert all(e.ef is not None and not e.ef.any() for e in s.entries)
+    assert all(torch.equal(e.sent, e.z) for e in s.entries) and s.anchored_at == 0   # a leader's bases start at z
     assert [e.name for e in s.structured] == ["0.weight", "3.weight"]
     assert all(bool(e.rows.all()) and bool(e.cols.all()) for e in s.structured)   # masks start all ones
     assert torch.equal(s.entries[0].z, chain()[0].weight.detach())
