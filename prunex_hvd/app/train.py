@@ -43,14 +43,14 @@ from .data import AUGMENTS, ShardedLoader, load_dataset
 # --warmup-epochs auto: PruneX's methods warm the lr up linearly over the first two epochs, at most an eighth of the
 # run so that a short one still trains mostly at its full lr; the other methods take the user's schedule as it is. A
 # node's first rounds from a random start step alone on the node's batch, which diverges at ResNet-18's lr 0.05
-# without it (benchmarks/README, "The warm-up a task needs"). The library leaves the lr to the user's script.
+# without it (benchmarks/log/2026-11-29-warmup-a-task-needs.md). The library leaves the lr to the user's script.
 AUTO_WARMUP_EPOCHS = 2.0
 AUTO_WARMUP_MAX_FRACTION = 1 / 8
 PRUNEX_METHODS = ("prunex", "prunex-flat")
 # A training loss above this many times a uniform guess's, ln(classes), means the lr diverges on each worker's batch:
 # ResNet-18 on digits at 8×8, lr 0.05, a node's batch of 32, no warm-up: 3.9-5.0 in the first rounds for PruneX and
-# hierarchical local SGD (ln 10 = 2.30), at most 3.2 with the two-epoch warm-up (8% under the 3.45 this sets),
-# 2.5-2.9 for PacTrain's batch of 64 (benchmarks/README, "The warm-up a task needs"). Said once a process, on rank 0.
+# hierarchical local SGD (ln 10 = 2.30), at most 3.2 with the two-epoch warm-up (8% under the 3.45 this sets), 2.5-2.9
+# for PacTrain's batch of 64 (benchmarks/log/2026-11-29-warmup-a-task-needs.md). Said once a process, on rank 0.
 DIVERGING_LOSS = 1.5
 # The final model's BatchNorm statistics: measured over a whole epoch, but at most this many batches a rank (a
 # cumulative mean over 64 ranks' 256 batches is far past the point where it moves; an epoch of a large dataset on
@@ -510,8 +510,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
 
     opt.finalize()
     # the final model keeps statistics measured for its own weights, over a whole epoch: 8 batches a rank cost the
-    # end 0.07-0.14 points on digits and 0.14-0.56 on ResNet-18 (benchmarks/README, "The consensus model's
-    # BatchNorm statistics"), an epoch nothing
+    # end 0.07-0.14 points on digits and 0.14-0.56 on ResNet-18 (benchmarks/log/2026-11-29-bn-recalibrate.md), an
+    # epoch nothing
     final = scored(min(steps_per_epoch, FINAL_BN_BATCHES), keep=True)
     stats = opt.stats()
     totals = _job_totals(control, stats)

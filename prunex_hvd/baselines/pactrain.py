@@ -32,7 +32,7 @@ Tuning (what each knob does to speed and accuracy):
   the support of PruneX's own projection at the initial weights (whole input channels, filters, heads or MLP
   units, ``coupled`` as in PruneX), fixed for the run. Same density and the same kind of structure as PruneX,
   so it separates what the structure costs from what the consensus costs. Measured at ``channel:0.5``, 5 seeds
-  (benchmarks/README, "PacTrain with PruneX's structure"): 99.00% on digits and 98.50% on ResNet-18 against
+  (benchmarks/log/2026-11-25-pactrain-structured.md): 99.00% on digits and 98.50% on ResNet-18 against
   99.06% / 98.89% unstructured, and later to the targets (95% on digits after 8.2 epochs against 6.4). From
   scratch the channels chosen at init are close to random: a narrower network, trained data-parallel.
 * ``score`` — ``magnitude`` needs no data and is what the paper's Fig. 2 describes; ``grasp`` keeps the

@@ -13,7 +13,7 @@ zero outside the block: the engine switches a layer on only then, and anything e
 (weight noise, a SAM-like perturbation) must keep them there.
 
 At ``channel:0.5`` each conv does about half the multiply-adds (ResNet-18, 8x8 inputs, one CPU thread: a step
-0.61x as long, benchmarks/README "Compact compute"). Only the forward changes: the parameters keep their full
+0.61x as long, benchmarks/log/2026-11-27-compact-compute.md). Only the forward changes: the parameters keep their full
 shape and identity, so the optimizer, the consensus and checkpoints see the same tensors as before. On CPU a large
 weight's block is cut out, and its gradient put back, by one pass each of the native kernel that packs a round's
 payload (:func:`kept_block_plan`): ATen's index_select backward zero-fills the weight and scatters into it.

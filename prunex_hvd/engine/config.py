@@ -23,7 +23,7 @@ RESTARTS = ("none", "global")
 CHANNEL_BUDGETS = ("layer", "global")
 # rho_max="auto": the balanced ρ's stop where a round's steps would pull θ back this many times its distance to the
 # consensus (ConsensusConfig.with_rho_max_from). Balancing alone raised ρ1 to a pull of 2-7 on digits' layers, where
-# a round's steps mostly fight the spring (benchmarks/README, "A cap on ρ from the round's length").
+# a round's steps mostly fight the spring (benchmarks/log/2026-11-27-rho-cap.md).
 ROUND_PULL = 1.0
 
 
@@ -43,8 +43,8 @@ def _knob(default, help: str, agree: Optional[str] = None):
 class ConsensusConfig:
     """Every knob of the H-SADMM consensus, validated when it is made. ``ConsensusConfig()`` is the measured
     recipe; :meth:`paper` is the paper's round, for ablations. This docstring is the tuning guide: which knobs to
-    touch, in the order to try them. The measurements behind each line are in benchmarks/README.md; the levers
-    measured and removed are in benchmarks/log/removed-knobs.md.
+    touch, in the order to try them. The measurements behind each line are in benchmarks/log/ (benchmarks/README.md
+    lists them); the levers measured and removed are in benchmarks/log/removed-knobs.md.
 
     Start with the defaults and two numbers of your own:
 
@@ -85,7 +85,7 @@ class ConsensusConfig:
     The lr is yours, as your script sets it (Horovod's lr × size included): in a Horovod user's script with only the
     wrap line changed (``examples/horovod_mnist.py``, 8 seeds), the recipe ended 0.56 points below
     ``hvd.DistributedOptimizer``, the paper's round 1.60 below; a lr warm-up over the first rounds or the node's
-    linearly scaled lr only cost it more (2.3 and 7.9 points; benchmarks/README, ``bench_dropin.py``). A
+    linearly scaled lr only cost it more (2.3 and 7.9 points; benchmarks/log/2026-12-01-dropin.md). A
     deep model at a high lr may diverge in its first rounds, when each node steps alone on its node's batch
     (ResNet-18 at lr 0.05, a node batch of 32): warm its lr up over the first two epochs, as ``prunex-hvd
     train`` does for PruneX.

@@ -53,10 +53,10 @@ class MPICommunicator(Communicator):
         spins a core for the whole transfer, beside the local steps computing meanwhile; MPI's own Iallreduce
         may pick a slower algorithm (Open MPI's libnbc: reduce, then broadcast, below 4 members: twice the
         time). On the emulated cluster a frozen overlapped round took 5.00 s polled every 5 ms, 5.35 s every
-        0.5 ms (each poll takes the GIL from the steps) and 5.46 s with the blocking call (benchmarks/README,
-        "The overlapped exchange on MPI"). It sends what the ledger's ring model counts; each chunk is combined
-        on one member (for half types in float32, rounded once, as ``_half_ops``) and copied to the others,
-        so all end equal."""
+        0.5 ms (each poll takes the GIL from the steps) and 5.46 s with the blocking call
+        (benchmarks/log/2026-11-26-overlap-polled-ring.md). It sends what the ledger's ring model counts; each
+        chunk is combined on one member (for half types in float32, rounded once, as ``_half_ops``) and copied
+        to the others, so all end equal."""
         flat, size, me = tensor.view(-1), self.size, self.rank
         bounds = [flat.numel() * k // size for k in range(size + 1)]
 
