@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import logging
+import re
 import sys
 
 
@@ -90,10 +92,10 @@ def _compare(args) -> int:
     from prunex_hvd.app import methods, report, train
 
     wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in wanted if m not in methods.METHODS]
+    unknown = [_unknown("method", m, methods.METHODS) for m in wanted if m not in methods.METHODS]
     if unknown or not wanted:
-        raise ValueError(f"--methods takes a comma-separated list of {', '.join(methods.METHODS)}; "
-                         f"got {args.methods!r}")
+        raise ValueError(f"--methods: {'; '.join(unknown) or 'no method given'}; it takes a comma-separated list of "
+                         f"{', '.join(methods.METHODS)}")
     base = _train_config(args)
     dirs = []
     for method in wanted:   # one after the other, in the same processes, same data, sampler and counters
@@ -158,7 +160,49 @@ def _train_config(args):
             flat["sparsity"] = json.loads(flat["sparsity"])
         except json.JSONDecodeError as exc:
             raise ValueError(f"--sparsity looks like JSON but does not parse: {exc}") from None
-    return TrainConfig.from_flat(**flat)
+    try:
+        cfg = TrainConfig.from_flat(**flat)
+        cfg.validate()   # here, where a setting's error can name the flag that set it
+        return cfg
+    except ValueError as exc:
+        raise ValueError(_as_flags(str(exc), args.given)) from None
+
+
+def _as_flags(message: str, given) -> str:
+    """A setting's error as the user typed it: a setting given by its flag is named by the flag (a leading name,
+    or any name with an underscore); one from a --config file keeps its JSON key."""
+    for name in sorted(given, key=len, reverse=True):
+        flag = "--" + name.replace("_", "-")
+        if message.startswith(name + " ") or message.startswith(name + "="):
+            message = flag + message[len(name):]
+        if "_" in name:
+            message = re.sub(rf"(?<![\w-]){re.escape(name)}(?![\w])", flag, message)
+    return message
+
+
+def _unknown(what: str, word: str, names) -> str:
+    """``unknown WHAT 'word' (did you mean 'x'?)``: the closest of ``names``, if one is close."""
+    close = difflib.get_close_matches(word, list(names), n=1)
+    return f"unknown {what} {word!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
+def _one_of(what: str, names):
+    """An argparse type: one of ``names``, else an error that suggests the closest."""
+    def parse(text: str) -> str:
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"{_unknown(what, text, names)}; choose one of {', '.join(names)}")
+        return text
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1, not {value}")
+    return value
 
 
 def _flat_names():
@@ -255,7 +299,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-dir", default=D.data_dir, help="folder holding cifar-10-batches-py/")
     g.add_argument("--image-size", type=int, default=None, help="input side in pixels (None: the model's)")
     g = p.add_argument_group("schedule")
-    g.add_argument("--method", default=D.method, choices=list(methods.METHODS), metavar="METHOD",
+    g.add_argument("--method", default=D.method, type=_one_of("method", methods.METHODS), metavar="METHOD",
                    help=f"how the ranks talk: {', '.join(methods.METHODS)}")
     g.add_argument("--epochs", type=float, default=D.epochs, help="epochs of training")
     g.add_argument("--local-epochs", type=float, default=D.local_epochs, help="epochs of local steps per round")
@@ -320,7 +364,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     g.add_argument("--stop-after-rounds", type=int, default=None,
                    help="run this many rounds, checkpoint and stop (time-boxed slices of one schedule)")
-    g.add_argument("--threads", type=int, default=None,
+    g.add_argument("--threads", type=_positive_int, default=None,
                    help="torch threads per rank (None: cores / ranks on the host)")
     g.add_argument("--device", default=D.device, choices=("auto", "cpu", "cuda"),
                    help="auto: the GPU of this local rank when CUDA is available, else cpu")

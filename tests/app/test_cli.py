@@ -108,6 +108,40 @@ def test_train_help_shows_at_most_40_options_each_with_its_default(capsys):
     assert "(default:" not in options["-h"]
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["train", "--method", "locsgd"], "argument --method: unknown method 'locsgd' (did you mean 'localsgd'?); "
+                                      "choose one of dense,"),
+    (["train", "--threads", "0"], "argument --threads: a whole number >= 1, not 0"),
+    (["train", "--dataset", "digits", "--epochs", "0"], "--epochs must be a finite number > 0, got 0.0"),
+    (["train", "--dataset", "digits", "--local-steps", "0"], "--local-steps must be an integer >= 1, got 0"),
+    (["train", "--dataset", "digits", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["train", "--dataset", "digits", "--model", "resnet19"], "unknown model 'resnet19' (did you mean 'resnet18'?)"),
+    (["compare", "--dataset", "digits", "--methods", "prunex,foo,locsgd"],
+     "--methods: unknown method 'foo'; unknown method 'locsgd' (did you mean 'localsgd'?); it takes"),
+])
+def test_a_bad_value_is_refused_naming_the_flag_and_the_closest_choice(argv, said, capsys, tmp_path):
+    """Refused before anything runs, by the flag the user typed (not a Python field), with a "did you mean"
+    where a choice is close."""
+    from prunex_hvd.app import cli
+    capsys.readouterr()
+    try:
+        code = cli.main([*argv, "--out", str(tmp_path / "run")])
+    except SystemExit as exit_:   # argparse's own errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and said in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_setting_from_a_config_file_keeps_its_json_key(tmp_path, capsys):
+    from prunex_hvd.app import cli
+    settings = tmp_path / "settings.json"
+    settings.write_text('{"local_steps": 0}')
+    capsys.readouterr()
+    assert cli.main(["train", "--dataset", "digits", "--config", str(settings), "--out", str(tmp_path / "r")]) == 2
+    assert "local_steps must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
 def test_version(capsys):
     import prunex_hvd
     code, out, _ = _exits(["--version"], capsys)

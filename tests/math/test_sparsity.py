@@ -50,7 +50,9 @@ def test_parse_dense_forms(text):
     ("shape:1.5", r"keep ratio must be in \(0, 1\]"),
     ("shape:nan", r"keep ratio must be in \(0, 1\]"),
     ("filter:0.5+filter:0.3", r"'filter' given more than once"),
-    ("filter:0.5+", r"unknown structure kind ''"),
+    ("filter:0.5+", r"an empty part \(parts are joined by '\+'"),
+    ("chanel:0.5", r"unknown structure kind 'chanel' \(did you mean 'channel'\?\); valid kinds"),
+    ("filter:0.5+nueron:0.5", r"unknown structure kind 'nueron' \(did you mean 'neuron'\?\)"),
     ("dense+filter:0.5", r"unknown structure kind 'dense'"),
 ])
 def test_parse_errors(text, message):
@@ -405,7 +407,8 @@ def test_resolve_errors():
         resolve_specs(net.named_parameters(), {"fc.weight": "channel:0.5"})
     with pytest.raises(ValueError, match=r"is not a conv weight"):
         resolve_specs(net.named_parameters(), {"bn1.*": "filter:0.5", "*": "channel:0.5"})
-    with pytest.raises(ValueError, match=r"sparsity\['conv1\.weight'\].*unknown structure kind 'chanel'"):
+    with pytest.raises(ValueError, match=r"sparsity\['conv1\.weight'\].*unknown structure kind 'chanel' \(did you "
+                                         r"mean 'channel'\?\)"):
         resolve_specs(net.named_parameters(), {"conv1.weight": "chanel:0.5"})
     with pytest.raises(ValueError, match="unknown structure kind"):
         resolve_specs(net.named_parameters(), "chanel:0.5")

@@ -7,6 +7,7 @@ imports (`torchvision:vit_b_16` among them, at --image-size 224).
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import numbers
 from typing import Callable, Dict
@@ -84,7 +85,9 @@ def canonical_name(name: str) -> str:
     try:
         return _ALIASES[_key(text)]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; choose one of {_names_hint()}") from None
+        close = difflib.get_close_matches(_key(text), list(_ALIASES), n=1)
+        hint = f" (did you mean {_ALIASES[close[0]]!r}?)" if close else ""
+        raise ValueError(f"unknown model {name!r}{hint}; choose one of {_names_hint()}") from None
 
 
 def _torchvision_models():

@@ -9,6 +9,7 @@ communication.
 """
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import math
 from collections.abc import Mapping
@@ -33,9 +34,15 @@ def _fmt_keep(keep: float) -> str:
     return s if float(s) == keep else repr(keep)
 
 
+def _unknown_kind(kind: str) -> str:
+    """What to say of a structure kind that is none of :data:`KINDS`: the closest one, if any is close."""
+    close = difflib.get_close_matches(kind, KINDS, n=1)
+    return f"unknown structure kind {kind!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
 def _check_part(kind, keep) -> Tuple[str, float]:
     if kind not in _ORDER:
-        raise ValueError(f"unknown structure kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+        raise ValueError(f"{_unknown_kind(kind)}; valid kinds: {', '.join(KINDS)}")
     try:
         keep = float(keep)
     except (TypeError, ValueError):
@@ -103,9 +110,12 @@ def parse_spec(spec) -> StructureSpec:
     parts = []
     for item in text.split("+"):
         kind, sep, num = item.partition(":")
+        if not item:
+            raise ValueError(f"sparsity spec {spec!r}: an empty part (parts are joined by '+', e.g. "
+                             f"'filter:0.5+channel:0.5')")
         if kind not in _ORDER:
-            raise ValueError(f"sparsity spec {spec!r}: unknown structure kind {kind!r}; "
-                             f"valid kinds: {', '.join(KINDS)} (or 'dense')")
+            raise ValueError(f"sparsity spec {spec!r}: {_unknown_kind(kind)}; valid kinds: {', '.join(KINDS)} "
+                             f"(or 'dense')")
         if not sep or not num:
             raise ValueError(f"sparsity spec {spec!r}: {kind!r} needs a keep ratio, e.g. '{kind}:0.5'")
         try:
