@@ -67,7 +67,7 @@ class TrainConfig:
     :meth:`from_flat` builds one from the command line's flat names (``--rho1``, ``--freeze-round 0``, ...)
     and :meth:`as_dict` writes it back flat."""
     model: str = "resnet18"
-    dataset: str = "cifar10"
+    dataset: str = "digits"                    # embedded: a run needs no download and no --data-dir
     data_dir: Optional[str] = None
     image_size: Optional[int] = None
     augment: Optional[str] = None              # train-time augmentation: cifar | shift | none (None: the dataset's)

@@ -133,6 +133,14 @@ def test_a_bad_value_is_refused_naming_the_flag_and_the_closest_choice(argv, sai
     assert not (tmp_path / "run").exists()
 
 
+def test_plain_train_runs_on_the_embedded_digits():
+    """``prunex-hvd train`` with no flags needs no download and no --data-dir."""
+    cfg = _train_config()
+    assert (cfg.dataset, cfg.data_dir) == ("digits", None)
+    from prunex_hvd.app.data import load_dataset
+    assert len(load_dataset(cfg.dataset, data_dir=cfg.data_dir).test_y) == 360
+
+
 def test_a_setting_from_a_config_file_keeps_its_json_key(tmp_path, capsys):
     from prunex_hvd.app import cli
     settings = tmp_path / "settings.json"
