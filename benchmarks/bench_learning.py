@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchjson import emit  # noqa: E402
+from prunex_hvd.app.cli import flags_for_method  # noqa: E402
 from prunex_hvd.app.report import epochs_to_target, load_run, make_report  # noqa: E402
 
 # the shared recipe of each task: what a user would run, the same for every method. None pins the round the masks
@@ -120,9 +122,10 @@ def run_one(task: str, variant: str, seed: int, args) -> dict:
         with open(run_dir + ".settings.json", "w") as f:
             json.dump(spec["settings"], f)
         settings = ["--config", run_dir + ".settings.json"]
+    method = re.search(r"--method (\S+)", VARIANTS[variant]).group(1)
     train_args = ["train"] + spec["args"].split() + settings + VARIANTS[variant].split() + \
         ["--seed", str(seed), "--threads", str(args.threads), "--checkpoint-every", "0",
-         "--out", run_dir] + args.extra.split()
+         "--out", run_dir] + flags_for_method(method, args.extra.split())   # --extra: what applies to each
     env = dict(os.environ, PRUNEX_RANKS_PER_NODE="2", OMP_NUM_THREADS=str(args.threads),
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
                OMPI_MCA_btl="self,vader,tcp", OMPI_MCA_btl_tcp_if_include="lo", OMPI_MCA_oob_tcp_if_include="lo")

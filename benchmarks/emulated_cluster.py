@@ -465,8 +465,10 @@ def job_argv(args, method: str, out_dir: str) -> List[str]:
     # method's own --nodes-per-rack still wins (later flags win in argparse, as a method's own args over the
     # shared ones)
     racks = ["--nodes-per-rack", str(args.hosts // args.racks)] if args.racks > 1 else []
-    return racks + args.train_args.split() + args.method_args.get(method, args.method_args.get(name, "")).split() \
-        + ["--method", name, "--out", out_dir]
+    # the shared args without the flags that do not apply to this method (train refuses them)
+    from prunex_hvd.app.cli import flags_for_method
+    return racks + flags_for_method(name, args.train_args.split()) \
+        + args.method_args.get(method, args.method_args.get(name, "")).split() + ["--method", name, "--out", out_dir]
 
 
 def kill_group(proc: subprocess.Popen) -> None:

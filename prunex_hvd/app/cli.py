@@ -150,8 +150,14 @@ def _export(args) -> int:
 def _train_config(args):
     """The flags' values as a TrainConfig (the consensus's knobs go into its ``consensus``): a ``--config`` file's
     settings first, the flags given on the command line over them."""
+    from prunex_hvd.app.methods import ONLY_FOR
     from prunex_hvd.app.train import TrainConfig
 
+    if args.command == "train":   # (compare runs several methods: each reads the settings that apply to it)
+        for name in sorted(args.given):
+            if name in ONLY_FOR and args.method not in ONLY_FOR[name]:
+                raise ValueError(f"--{name.replace('_', '-')} does not apply to --method {args.method}: only to "
+                                 f"{', '.join(ONLY_FOR[name])}")
     flat = dict(args.file_settings)
     flat.update({k: v for k, v in vars(args).items() if k in _flat_names() and k in args.given})
     flat.setdefault("method", args.method)
@@ -479,6 +485,27 @@ def main(argv=None) -> int:
     from prunex_hvd.dist import runtime
     runtime.finish()   # every rank leaves together, its groups taken down before the interpreter goes
     return code
+
+
+def flags_for_method(method: str, argv) -> list:
+    """``train``'s command line ``argv`` without the flags (and their values) that do not apply to ``method``:
+    for harnesses that give every method one shared command line."""
+    from prunex_hvd.app.methods import ONLY_FOR
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    by_flag = {flag: a for a in sub._actions for flag in a.option_strings}
+    out, skip_value = [], False
+    for token in argv:
+        if skip_value and not token.startswith("-"):
+            skip_value = False
+            continue
+        skip_value = False
+        action = by_flag.get(token.split("=", 1)[0])
+        if action is not None and action.dest in ONLY_FOR and method not in ONLY_FOR[action.dest]:
+            skip_value = "=" not in token and action.nargs != 0   # its value follows, if it takes one
+            continue
+        out.append(token)
+    return out
 
 
 def _given_flags(parser: argparse.ArgumentParser, command: str, argv) -> set:

@@ -114,6 +114,17 @@ METHODS: Dict[str, Callable] = {"dense": _dense, "topk": _topk, "pactrain": _pac
                                 "prunex": _prunex}
 
 
+# The settings only some methods read: {setting: those methods}. The data, the schedule and the launch apply to
+# every method (a method that talks every step takes no period from --local-steps, but logs by it).
+_PRUNEX = ("prunex", "prunex-flat")
+ONLY_FOR: Dict[str, tuple] = {
+    **dict.fromkeys(("rho1", "rho2", "rho_max", "freeze_round", "channel_budget", "paper"), _PRUNEX),
+    **dict.fromkeys(("node_sync", "payload_dtype", "overlap"), ("prunex",)),   # the node tier: not the flat one
+    **dict.fromkeys(("sparsity", "coupled"), _PRUNEX + ("pactrain",)),
+    "topk_ratio": ("topk",), "pactrain_structure": ("pactrain",), "hier_intra_steps": ("localsgd-hier",),
+}
+
+
 def wrap(name: str, optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg, sample_batch: Callable = None):
     """Wrap ``optimizer`` for method ``name`` (collective: every rank calls it with the same arguments).
 

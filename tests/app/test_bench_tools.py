@@ -151,6 +151,23 @@ def test_jobs_learn_the_racks_first_in_their_arguments(cluster):
         "--epochs", "2", "--lr", "0.1", "--method", "localsgd", "--out", "/o"]
 
 
+def test_each_method_gets_the_shared_arguments_that_apply_to_it(cluster):
+    """The cluster's shared --train-args hold PruneX's flags: a rival's job goes without them (train refuses a
+    flag that does not apply to its --method), flags and their values both."""
+    args = SimpleNamespace(hosts=4, racks=1, method_args={},
+                           train_args="--epochs 2 --sparsity channel:0.5 --rho1 0.05 --coupled --topk-ratio 0.01 "
+                                      "--local-steps 11 --no-node-sync --overlap=on")
+    assert cluster.job_argv(args, "dense", "/o") == [
+        "--epochs", "2", "--local-steps", "11", "--method", "dense", "--out", "/o"]
+    assert cluster.job_argv(args, "topk", "/o") == [
+        "--epochs", "2", "--topk-ratio", "0.01", "--local-steps", "11", "--method", "topk", "--out", "/o"]
+    assert cluster.job_argv(args, "pactrain", "/o") == [
+        "--epochs", "2", "--sparsity", "channel:0.5", "--coupled", "--local-steps", "11", "--method", "pactrain",
+        "--out", "/o"]
+    assert cluster.job_argv(args, "prunex", "/o")[:-4] == args.train_args.replace("0.01 ", "").replace(
+        "--topk-ratio ", "").split()
+
+
 def test_the_launchers_htb_counters_are_read_per_rack(cluster):
     text = ("class htb 1:1 root prio 0 rate 100Gbit ceil 100Gbit burst 1Mb cburst 1Mb \n"
             " Sent 4200 bytes 12 pkt (dropped 0, overlimits 0 requeues 0) \n backlog 0b 0p requeues 0\n"

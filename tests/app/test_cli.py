@@ -133,6 +133,32 @@ def test_a_bad_value_is_refused_naming_the_flag_and_the_closest_choice(argv, sai
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--method", "localsgd", "--rho1", "0.1"], "--rho1 does not apply to --method localsgd: only to prunex, "
+                                                "prunex-flat"),
+    (["--method", "dense", "--sparsity", "channel:0.5"], "--sparsity does not apply to --method dense: only to "
+                                                         "prunex, prunex-flat, pactrain"),
+    (["--method", "prunex-flat", "--payload-dtype", "bf16"], "--payload-dtype does not apply to --method prunex-flat"),
+    (["--method", "diloco", "--topk-ratio", "0.1"], "--topk-ratio does not apply to --method diloco: only to topk"),
+    (["--method", "prunex", "--hier-intra-steps", "2"], "--hier-intra-steps does not apply to --method prunex"),
+])
+def test_a_flag_of_another_method_is_refused_by_name(argv, said, capsys, tmp_path):
+    from prunex_hvd.app import cli
+    capsys.readouterr()
+    assert cli.main(["train", *argv, "--out", str(tmp_path / "run")]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_a_method_s_own_flags_and_a_config_file_s_settings_are_taken(tmp_path):
+    """Each method takes its own flags; a --config file (a run's config.json holds every setting) is not checked."""
+    assert _train_config("--method", "topk", "--topk-ratio", "0.1").topk_ratio == 0.1
+    assert _train_config("--method", "pactrain", "--sparsity", "channel:0.25").consensus.sparsity == "channel:0.25"
+    assert _train_config("--method", "prunex-flat", "--rho1", "0.02").consensus.rho1 == 0.02
+    settings = tmp_path / "settings.json"
+    settings.write_text('{"rho1": 0.02, "topk_ratio": 0.5}')
+    assert _train_config("--method", "localsgd", "--config", str(settings)).topk_ratio == 0.5
+
+
 def test_plain_train_runs_on_the_embedded_digits():
     """``prunex-hvd train`` with no flags needs no download and no --data-dir."""
     cfg = _train_config()

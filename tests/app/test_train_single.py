@@ -74,9 +74,9 @@ def test_cifar10_from_the_pickle_layout(tmp_path, capsys):
     (["--sparsity", "channel:2"], r"keep ratio must be in \(0, 1\]"),
     (["--sparsity", "{not json"], "does not parse"),
     (["--batch-size", "4000"], "batch"),
-    (["--method", "topk", "--coupled"], "--coupled is a PruneX option"),
+    (["--method", "topk", "--coupled"], "--coupled does not apply to --method topk"),
     (["--method", "pactrain", "--coupled"], "--coupled is a PruneX option"),   # single weights: nothing to tie
-    (["--method", "dense", "--coupled", "streams"], "--coupled is a PruneX option"),
+    (["--method", "dense", "--coupled", "streams"], "--coupled does not apply to --method dense"),
     (["--sparsity", "head:0.5"], r"'head:K' needs attention modules"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, capsys, args, message):

@@ -103,8 +103,9 @@ def test_topk_and_pactrain_send_less_than_dense(compared):
 def test_dense_without_horovod_is_a_bucketed_allreduce(tmp_path):
     """torchrun (no Horovod in the launch): the torch.distributed equivalent, 2 nodes × 1."""
     out = tmp_path / "dense"
-    proc = run(torchrun(2, [str(BIN / "prunex-hvd"), "train", "--method", "dense", *COMMON, "--epochs", "1",
-                            "--out", str(out)]), env={"PRUNEX_RANKS_PER_NODE": "1"}, timeout=300)
+    from prunex_hvd.app.cli import flags_for_method
+    proc = run(torchrun(2, [str(BIN / "prunex-hvd"), "train", "--method", "dense", *flags_for_method("dense", COMMON),
+                            "--epochs", "1", "--out", str(out)]), env={"PRUNEX_RANKS_PER_NODE": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
     s = json.loads((out / "summary.json").read_text())
     params, _ = model_sizes()
