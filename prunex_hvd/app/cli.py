@@ -291,7 +291,8 @@ def refuse_removed_flags(argv) -> None:
                              f"holds every setting), or through the Python API")
 
 
-def _add_train_args(p: argparse.ArgumentParser) -> None:
+def _add_train_args(p: argparse.ArgumentParser, one_method: bool = True) -> None:
+    """``train``'s flags on ``p``; ``one_method=False``: without ``--method`` (``compare`` takes ``--methods``)."""
     from prunex_hvd.app import methods, models
     from prunex_hvd.app.data import DATASETS
     from prunex_hvd.app.train import TrainConfig as D
@@ -305,8 +306,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-dir", default=D.data_dir, help="folder holding cifar-10-batches-py/")
     g.add_argument("--image-size", type=int, default=None, help="input side in pixels (None: the model's)")
     g = p.add_argument_group("schedule")
-    g.add_argument("--method", default=D.method, type=_one_of("method", methods.METHODS), metavar="METHOD",
-                   help=f"how the ranks talk: {', '.join(methods.METHODS)}")
+    if one_method:
+        g.add_argument("--method", default=D.method, type=_one_of("method", methods.METHODS), metavar="METHOD",
+                       help=f"how the ranks talk: {', '.join(methods.METHODS)}")
     g.add_argument("--epochs", type=float, default=D.epochs, help="epochs of training")
     g.add_argument("--local-epochs", type=float, default=D.local_epochs, help="epochs of local steps per round")
     g.add_argument("--local-steps", type=int, default=None, help="steps per round (overrides --local-epochs)")
@@ -429,10 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
     cmp_ = sub.add_parser("compare", help="train several --methods in turn on the same setup and tabulate them",
                           formatter_class=shown)
-    _add_train_args(cmp_)
+    _add_train_args(cmp_, one_method=False)
     cmp_.add_argument("--methods", default="dense,topk,pactrain,localsgd,localsgd-hier,diloco,prunex-flat,prunex",
                       help="comma-separated; each run goes to --out/<method>")
-    cmp_.set_defaults(func=_compare, out="runs/compare")
+    cmp_.set_defaults(func=_compare, out="runs/compare", method="prunex")   # (each run sets its own method)
     from prunex_hvd.app import report   # its arguments are its own; the module imports matplotlib only to draw
 
     rep = report.add_arguments(sub.add_parser("report", help="plots and a markdown table from run folders"))

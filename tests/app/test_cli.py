@@ -159,6 +159,14 @@ def test_a_method_s_own_flags_and_a_config_file_s_settings_are_taken(tmp_path):
     assert _train_config("--method", "localsgd", "--config", str(settings)).topk_ratio == 0.5
 
 
+def test_compare_takes_methods_only(capsys):
+    """compare has one way to say which methods: ``--methods`` (``--method X`` is read as its prefix)."""
+    from prunex_hvd.app import cli
+    code, out, _ = _exits(["compare", "--help"], capsys)
+    assert code == 0 and "--methods METHODS" in out and "--method METHOD" not in out
+    assert cli.parse(["compare", "--method", "dense"]).methods == "dense"
+
+
 def test_plain_train_runs_on_the_embedded_digits():
     """``prunex-hvd train`` with no flags needs no download and no --data-dir."""
     cfg = _train_config()
