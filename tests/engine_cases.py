@@ -610,8 +610,8 @@ def check_results(results, specs, mask_itemsize=1, couplings=None, streams=(), p
     dense_numel = sum(n for name, n in numels.items() if name not in specs) + results[0]["buffer_numel"]
     mask_bytes = sum(shapes[n][0] + math.prod(shapes[n][1:]) for n in specs) * mask_itemsize
     # an anchored round of a narrow payload sends float32
-    per_round = [(FLOAT_BYTES if rr["anchored"] else payload_bytes) * (dense_numel + sum(r * c for r, c in rr["compact"].values()))
-                 for rr in ref_rounds]
+    per_round = [(FLOAT_BYTES if rr["anchored"] else payload_bytes)
+                 * (dense_numel + sum(r * c for r, c in rr["compact"].values())) for rr in ref_rounds]
     unfrozen = sum(not rr["frozen_before"] for rr in ref_rounds)
     # the freeze within the rounds hands rank 0's masks down the tree (uint8)
     frozen_masks = mask_bytes // mask_itemsize * (not ref_rounds[0]["frozen_before"] and freeze_round is not None

@@ -494,8 +494,7 @@ def flags_for_method(method: str, argv) -> list:
     for harnesses that give every method one shared command line."""
     from prunex_hvd.app.methods import ONLY_FOR
 
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
-    by_flag = {flag: a for a in sub._actions for flag in a.option_strings}
+    by_flag = _actions_by_flag(build_parser(), "train")
     out, skip_value = [], False
     for token in argv:
         if skip_value and not token.startswith("-"):
@@ -510,12 +509,15 @@ def flags_for_method(method: str, argv) -> list:
     return out
 
 
+def _actions_by_flag(parser: argparse.ArgumentParser, command: str) -> dict:
+    """{flag: its argparse action} of ``command`` (a BooleanOptionalAction's --no-X among its flags)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return {flag: a for a in sub._actions for flag in a.option_strings}
+
+
 def _given_flags(parser: argparse.ArgumentParser, command: str, argv) -> set:
     """The settings (argparse dests) whose flags the command line gave."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
-    by_flag = {flag: a.dest for a in sub._actions for flag in a.option_strings}
-    for a in sub._actions:   # --no-X of a BooleanOptionalAction
-        by_flag.update({flag: a.dest for flag in a.option_strings})
+    by_flag = {flag: a.dest for flag, a in _actions_by_flag(parser, command).items()}
     given = set()
     for token in argv:
         flag = token.split("=", 1)[0]

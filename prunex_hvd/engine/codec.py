@@ -44,8 +44,9 @@ class PayloadCodec:
     """Codes one rank's compact payload. With ``state.delta_coded`` (a payload narrower than the state: bf16) an
     entry travels as q = round(z_i + v_i − s_i), s_i the sender's base (what it has sent so far, summed), and the
     float buffers as their change with error feedback; a round in :data:`ANCHOR_EVERY` (and one whose bases are
-    unknown: loaded from a state without them) is anchored: whole values in the state's dtype. The new bases and errors wait in :attr:`pending` (and
-    :attr:`pending_spine`, :attr:`pending_rack` with racks) until :meth:`commit`."""
+    unknown: loaded from a state without them) is anchored: whole values in the state's dtype. The new bases and
+    errors wait in :attr:`pending` (and :attr:`pending_spine`, :attr:`pending_rack` with racks) until
+    :meth:`commit`."""
 
     def __init__(self, state: ConsensusState):
         self.state = state

@@ -112,8 +112,8 @@ def _quadratic_admm(coding, nodes=4, n=2000, rho=1.0, rounds=300):
     """Consensus ADMM on f_i(x) = ½·a_i·(x − b_i)² per node (the x-update exact), the nodes' z_i + v_i averaged
     by ``coding``: "float64", "float32", "bf16" (z_i + v_i rounded), "feedback" (the change z_i + v_i − z with
     error feedback) or "codec" (this module's: each node's change against its own base, from z, and every
-    ANCHOR_EVERY rounds whole values in float32). The bf16 payloads are summed in node order in bf16, as the transports sum
-    them. Returns z after every round (float64)."""
+    ANCHOR_EVERY rounds whole values in float32). The bf16 payloads are summed in node order in bf16, as the
+    transports sum them. Returns z after every round (float64)."""
     from prunex_hvd.engine.codec import code_change, code_with_feedback
     g = torch.Generator().manual_seed(0)
     a = [torch.rand(n, generator=g, dtype=torch.float64) * 2 + 0.1 for _ in range(nodes)]
@@ -155,8 +155,9 @@ def _quadratic_admm(coding, nodes=4, n=2000, rho=1.0, rounds=300):
 def test_a_bf16_payload_on_exact_quadratic_admm_converges_to_the_float64_consensus():
     """Against float64 on an exact quadratic ADMM problem (4 nodes, 300 rounds), z's relative deviation: the
     codec's coding stays below z_i + v_i sent in bf16 (3e-3): 1.5e-3 until its first anchored round, 1e-6 after it
-    and 8e-8 after the second (float32's own: 7e-8). Error feedback against z stays at ~2e-3: a node's change z_i + v_i − z tends to
-    its dual v_i, not to zero, and the dual update already carries the rounding (it is counted twice)."""
+    and 8e-8 after the second (float32's own: 7e-8). Error feedback against z stays at ~2e-3: a node's change
+    z_i + v_i − z tends to its dual v_i, not to zero, and the dual update already carries the rounding (it is
+    counted twice)."""
     ref = _quadratic_admm("float64")
 
     def deviation(coding):

@@ -104,7 +104,8 @@ UNEVEN = {f"{sync}-{who}": (rank, sync == "node-sync") for sync in ("alone", "no
           for who, rank in (("a-leader-ahead", 2), ("a-non-leader-ahead", 3))}
 # the four cases one after the other in the shared 2 × 2 launch (each refusal is agreed: the ranks stay in step)
 UNEVEN_CASE = register("mpirun-2x2", "uneven", "fault_worker", "--fault", "uneven", "--uneven",
-                       ",".join(f"{name}:{rank}" + (":node-sync" if sync else "") for name, (rank, sync) in UNEVEN.items()))
+                       ",".join(f"{name}:{rank}" + (":node-sync" if sync else "")
+                                for name, (rank, sync) in UNEVEN.items()))
 
 
 @pytest.mark.parametrize("odd_rank", [2, 3], ids=["a-leader-ahead", "a-non-leader-ahead"])

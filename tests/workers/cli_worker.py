@@ -5,8 +5,8 @@ launch pays its ranks' start-up once for many training runs.
 
 In ARGS, ``{run}`` is CASE/NAME, NAME being CASE's name (where the command writes its run), and ``{launch}``
 the launch's folder (CASE's parent: the other cases' folders). ``--copy NAME`` first copies case NAME's run into
-{run} (rank 0, the others wait), without its PATH if ``--drop PATH``: a case resumes or refuses a copy, leaving the
-original for the tests. Each rank writes what the command printed (stdout and stderr) to CASE/output.rank{R}.txt;
+{run} (rank 0; the others wait at an MPI barrier, so under mpirun), without its PATH if ``--drop PATH``: a case
+resumes or refuses a copy, leaving the original for the tests. Each rank writes what the command printed (stdout and stderr) to CASE/output.rank{R}.txt;
 the case fails unless the command exits with N (default 0). A run resumed here starts in a process that ran other
 jobs before: the sequence reseeds the global random generators between cases, so a resume that left one
 unrestored shows."""
