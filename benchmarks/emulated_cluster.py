@@ -718,8 +718,7 @@ def main(argv=None) -> int:
                    help="arguments for `prunex-hvd train`, the same for every method (--method and --out are added)")
     p.add_argument("--method-args", action="append", default=[], metavar="METHOD=ARGS",
                    help="extra `prunex-hvd train` arguments for one method, after the shared ones (repeatable), "
-                        "e.g. 'prunex=--lr 0.0125': local-SGD methods take one rank's batch per update where dense "
-                        "averages all ranks', so the linear scaling rule gives them lr / world size")
+                        "e.g. 'localsgd-hier=--warmup-epochs 2' (every method takes the same --lr: docs/tuning.md)")
     p.add_argument("--collectives", choices=("ring", "default"), default="ring",
                    help="ring: force Open MPI's ring allreduce/allgather(v) (what the library accounts); "
                         "default: Open MPI's own choice")

@@ -81,7 +81,7 @@ class Net(nn.Module):
 
 
 model = Net().to(device)
-lr_scaler = hvd.size()   # Horovod's
+lr_scaler = hvd.size()   # Horovod's lr x size, kept for PruneX too (docs/tuning.md, "The learning rate")
 optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=args.momentum)
 
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)

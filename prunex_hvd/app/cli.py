@@ -76,12 +76,15 @@ def _train(args) -> int:
     summary = train.train(cfg)
     if "stopped_after_round" in summary or train.runtime.topology().rank != 0:
         return 0
-    ratio = summary["inter_bytes"] / summary["dense_inter_bytes"] if summary["dense_inter_bytes"] else float("nan")
     print(f"final test accuracy {100 * summary['final_test_acc']:.2f}% (the finalized model)   "
-          f"density {summary['density']:.3f}   wall {summary['wall_s']:.1f} s\n"
-          f"inter-node traffic {summary['inter_bytes'] / 2**20:.2f} MB; the same rounds exchanged dense: "
-          f"{summary['dense_inter_bytes'] / 2**20:.2f} MB ({ratio:.3f}x)"
-          + (f"; across racks {summary['cross_rack_bytes'] / 2**20:.2f} MB" if summary.get("num_racks") else ""))
+          f"density {summary['density']:.3f}   wall {summary['wall_s']:.1f} s")
+    if summary["dense_inter_bytes"]:
+        print(f"inter-node traffic {summary['inter_bytes'] / 2**20:.2f} MB; counterfactual, the same rounds sent "
+              f"dense: {summary['dense_inter_bytes'] / 2**20:.2f} MB "
+              f"({summary['inter_bytes'] / summary['dense_inter_bytes']:.3f}x)"
+              + (f"; across racks {summary['cross_rack_bytes'] / 2**20:.2f} MB" if summary.get("num_racks") else ""))
+    else:
+        print("one node: nothing crossed a node boundary")
     print(f"results in {cfg.out}: metrics.jsonl, summary.json, final_model.pt; plots: prunex-hvd report {cfg.out}")
     return 0
 
@@ -153,14 +156,14 @@ def _train_config(args):
     from prunex_hvd.app.methods import ONLY_FOR
     from prunex_hvd.app.train import TrainConfig
 
-    if args.command == "train":   # (compare runs several methods: each reads the settings that apply to it)
-        for name in sorted(args.given):
-            if name in ONLY_FOR and args.method not in ONLY_FOR[name]:
-                raise ValueError(f"--{name.replace('_', '-')} does not apply to --method {args.method}: only to "
-                                 f"{', '.join(ONLY_FOR[name])}")
     flat = dict(args.file_settings)
     flat.update({k: v for k, v in vars(args).items() if k in _flat_names() and k in args.given})
     flat.setdefault("method", args.method)
+    if args.command == "train":   # (compare runs several methods: each reads the settings that apply to it)
+        for name in sorted(args.given):
+            if name in ONLY_FOR and flat["method"] not in ONLY_FOR[name]:
+                raise ValueError(f"--{name.replace('_', '-')} does not apply to --method {flat['method']}: only to "
+                                 f"{', '.join(ONLY_FOR[name])}")
     if isinstance(flat.get("sparsity"), str) and flat["sparsity"].lstrip().startswith("{"):
         try:   # here, not in argparse: an error every rank prints, the same way as any other
             flat["sparsity"] = json.loads(flat["sparsity"])
@@ -314,8 +317,8 @@ def _add_train_args(p: argparse.ArgumentParser, one_method: bool = True) -> None
     g.add_argument("--local-steps", type=int, default=None, help="steps per round (overrides --local-epochs)")
     g.add_argument("--batch-size", type=int, default=D.batch_size, help="per rank")
     g.add_argument("--lr", type=float, default=D.lr,
-                   help="per update. prunex/prunex-flat update on one rank's batch between rounds, dense on the "
-                        "average over all ranks: from a dense lr L over W ranks start PruneX near L/W")
+                   help="the same for every method: keep your dense run's lr (Horovod's lr x size included); "
+                        "docs/tuning.md, 'The learning rate'")
     g.add_argument("--momentum", type=float, default=D.momentum, help="SGD's momentum")
     g.add_argument("--weight-decay", type=float, default=D.weight_decay, help="SGD's weight decay")
     g.add_argument("--warmup-epochs", type=_number_or(float, auto="auto"), default="auto",

@@ -159,6 +159,17 @@ def test_a_method_s_own_flags_and_a_config_file_s_settings_are_taken(tmp_path):
     assert _train_config("--method", "localsgd", "--config", str(settings)).topk_ratio == 0.5
 
 
+def test_the_method_of_a_config_file_decides_which_flags_apply(tmp_path, capsys):
+    """A run's config.json names its method: that method's flags are taken on top, another's refused by name."""
+    from prunex_hvd.app import cli
+    settings = tmp_path / "topk.json"
+    settings.write_text('{"method": "topk", "topk_ratio": 0.5}')
+    assert _train_config("--config", str(settings), "--topk-ratio", "0.1").topk_ratio == 0.1
+    capsys.readouterr()
+    assert cli.main(["train", "--config", str(settings), "--rho1", "0.1", "--out", str(tmp_path / "run")]) == 2
+    assert "--rho1 does not apply to --method topk" in capsys.readouterr().err
+
+
 def test_compare_takes_methods_only(capsys):
     """compare has one way to say which methods: ``--methods`` (``--method X`` is read as its prefix)."""
     from prunex_hvd.app import cli
