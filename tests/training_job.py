@@ -46,6 +46,9 @@ ANOTHER_SETTING = case("another-setting", "--resume", "--freeze-round", "2", "--
 ANOTHER_NEW_RUN = register(GROUP, "another-new-run", "cli_worker", "--exit", "2", "--", "train", *ARGS,
                            "--out", "{launch}/another/another")   # a new run over the original
 ANOTHER_FILES_GONE = case("another-files-gone", "--resume", exit=2, copy=ANOTHER, drop="ckpt")
+# the uninterrupted run again, from nothing but its folder's config.json (after FULL: cases run in this order)
+AGAIN = register(GROUP, "again", "cli_worker", "--", "train", "--config", "{launch}/%s/%s/config.json" % (FULL, FULL),
+                 "--out", "{run}")
 
 
 def case_run(shared_launch, name):

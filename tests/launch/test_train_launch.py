@@ -10,8 +10,8 @@ import torch
 
 from launching import BIN, mpirun, needs_horovod, needs_mpirun, run, worker_results
 from shared_launches import register
-from training_job import (ANOTHER, ANOTHER_FILES_GONE, ANOTHER_NEW_RUN, ANOTHER_SETTING, ANOTHER_SPARSITY, ARGS,
-                          NODES2, OVERLAP_REF, OVERLAP_RESUMED, OVERLAP_SLICED, RESUMED, SLICED, STEPS, VIT_REF,
+from training_job import (AGAIN, ANOTHER, ANOTHER_FILES_GONE, ANOTHER_NEW_RUN, ANOTHER_SETTING, ANOTHER_SPARSITY,
+                          ARGS, NODES2, OVERLAP_REF, OVERLAP_RESUMED, OVERLAP_SLICED, RESUMED, SLICED, STEPS, VIT_REF,
                           VIT_RESUMED, VIT_SLICED, assert_same_run, case_run, metrics)
 
 pytestmark = [pytest.mark.launch, needs_mpirun]
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.launch, needs_mpirun]
 
 def test_metrics_summary_and_final_model(full_run):
     out, stdout = full_run
-    assert "final test accuracy" in stdout and "the same rounds exchanged dense" in stdout
+    assert "final test accuracy" in stdout and "counterfactual, the same rounds sent dense" in stdout
     lines = metrics(out)
     rounds, final = lines[:-1], lines[-1]
     assert [r["event"] for r in rounds] == ["round"] * len(rounds) and final["event"] == "final"
@@ -87,6 +87,14 @@ def test_resume_equals_uninterrupted(full_run, shared_launch):
     assert len(list((sliced / "ckpt").glob("*.pt"))) == 4
     out, _ = case_run(shared_launch, RESUMED)
     assert_same_run(ref, out)
+
+
+def test_a_run_is_reproduced_bit_for_bit_from_its_config_json(full_run, shared_launch):
+    ref, _ = full_run
+    out, _ = case_run(shared_launch, AGAIN)      # `train --config FULL/config.json --out OTHER`, no other flag
+    assert_same_run(ref, out)
+    a, b = (json.loads((run / "config.json").read_text())["config"] for run in (ref, out))
+    assert a.pop("out") != b.pop("out") and a == b            # every setting the same, the folder another
 
 
 def test_a_vit_with_heads_and_neurons_resumes_bit_for_bit(shared_launch):
