@@ -63,6 +63,7 @@ VARIANTS: Dict[str, str] = {
     "localsgd": "--method localsgd",
     "localsgd-hier": "--method localsgd-hier",
     "diloco": "--method diloco",
+    "topk": "--method topk --topk-ratio 0.01",
     "pactrain": "--method pactrain --sparsity channel:0.5",
     "pactrain-structured": "--method pactrain --sparsity channel:0.5 --pactrain-structure structured",
     # the rivals with a linear lr warm-up over the first epoch(s), as PruneX's recipe warms up

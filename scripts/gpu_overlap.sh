@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The overlapped round on a GPU host (issue 19): its correctness tests on CUDA tensors (NCCL, Gloo) and its
+# The overlapped round on a GPU host: its correctness tests on CUDA tensors (NCCL, Gloo) and its
 # timing, blocking against overlapped, ResNet-18 (digits at 32×32) on 2 emulated nodes × 2 sharing the host's
 # GPU over NCCL (each rank its own NCCL host id: NCCL's socket transport over loopback between them, see
 # tests/launch/test_engine_launch.py): what an overlapped round costs and hides on a GPU, not a slow link's figures.
