@@ -113,6 +113,8 @@ def _compare(args) -> int:
     with open(os.path.join(args.out, "comparison.md"), "w") as f:
         f.write(table)
     print("\n" + table)
+    if made["summary"]:
+        print("Against the measured dense run:\n" + "\n".join(f"* {line}" for line in made["summary"]) + "\n")
     print(f"runs in {args.out}/<method>; plots and report.md in {made['out_dir']}")
     return 0
 

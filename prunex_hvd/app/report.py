@@ -9,14 +9,22 @@ A run is a directory written by the trainer: ``metrics.jsonl`` (``"event": "roun
 Written to ``DIR`` (default ``<parent of the first run>/report``), each only when some run has the data:
 
 * ``accuracy_vs_epoch.png``        test accuracy vs epoch: accuracy at equal epochs, whatever the link
+* ``loss_vs_epoch.png``            test loss (solid) and training loss (dashed) vs epoch
 * ``epochs_to_target.png``         first epoch reaching each ``--targets`` accuracy (only with ``--targets``)
 * ``accuracy_vs_time.png``         test accuracy vs cumulative training wall time
-* ``accuracy_vs_inter_bytes.png``  test accuracy vs cumulative inter-node MB (and a dense exchange's MB)
+* ``accuracy_vs_inter_bytes.png``  test accuracy vs cumulative inter-node MB (and the counterfactual's MB)
 * ``residuals.png``                per-layer primal residuals r_intra / r_inter (and r_spine with racks) over rounds
 * ``density_per_layer.png``        final density of each conv layer
 * ``masks_<run>.png``              |W| of some pruned conv layers in the GEMM view, pruned entries white
-* ``communication.png``            final inter-node MB vs the dense-equivalent MB
-* ``report.md``                    one table row per run, then links to the figures
+* ``communication.png``            final inter-node MB, measured, beside the counterfactual MB
+* ``report.md``                    one table row per run, the terms, then the figures with a caption each
+
+Two references for the bytes. A *measured dense run* is a run of method ``dense`` (a gradient allreduce every
+step) in the same set: when there is one, the table gives every run's bytes as a ratio to it (``× dense run``)
+and :func:`summary_lines` says it in words. The *counterfactual* is what the trainer writes as
+``dense_inter_bytes``, computed and never sent: for PruneX its consensus rounds had each sent the whole model
+dense, for the other methods a dense gradient allreduce every step (:func:`counterfactual_label`); it is
+labelled so wherever it is drawn.
 
 MB here is 2^20 bytes, as in the trainer's and ``prunex-hvd info``'s output. Figures share one colour per
 run; labels are the run folder names. Runs whose folders differ only in a seed suffix (``localsgd-s0``,
@@ -24,7 +32,7 @@ run; labels are the run folder names. Runs whose folders differ only in a seed s
 the epochs-to-target table: the mean over seeds as a line, the seeds' range as a band.
 
     from prunex_hvd.app.report import make_report
-    out = make_report(["runs/A", "runs/B"], targets=[0.95])   # {"out_dir", "figures": {key: path}, "table": path}
+    out = make_report(["runs/A", "runs/B"], targets=[0.95])   # {"out_dir", "figures", "table", "summary"}
 """
 from __future__ import annotations
 
@@ -41,7 +49,16 @@ MB = 2**20   # the unit the trainer prints, so the table and the training log ag
 DPI = 120
 RESIDUALS = (("r_intra", "intra-node primal residual"), ("r_inter", "inter-node primal residual"),
              ("r_spine", "between-rack primal residual"))   # the last only with racks (three tiers)
-_LEGEND_MAX_LAYERS = 8
+_RESIDUAL_MAX_LAYERS = 10   # lines per residual panel: more cannot be told apart, even by colour and style
+_LINE_STYLES = ("-", "--", ":", "-.")
+_CURVES = (9.5, 4.5)   # inches: a plot of curves and its legend beside it
+# what a run's dense_inter_bytes stands for, in the label it carries wherever it shows: PruneX's consensus rounds
+# had they sent the whole model dense; for the other methods, a dense gradient allreduce every step
+COUNTERFACTUAL = "counterfactual: these rounds sent dense"
+COUNTERFACTUAL_STEPS = "counterfactual: a dense allreduce every step"
+COUNTERFACTUAL_ANY = "counterfactual: a dense exchange"   # a method this version does not know
+_COUNTERFACTUAL_STYLES = {COUNTERFACTUAL: "--", COUNTERFACTUAL_STEPS: ":", COUNTERFACTUAL_ANY: "-."}
+DENSE_METHOD = "dense"   # the measured reference: a gradient allreduce every step
 _CONFIG_KEYS = ("method", "model", "dataset", "sparsity")   # what config.json may supply for a torn run
 
 
@@ -214,41 +231,106 @@ def _cell(v) -> str:
     return "—" if v is None or v == "" else str(v).replace("|", "\\|")
 
 
+def _ratio(a, b) -> Optional[float]:
+    return a / b if _num(a) and _num(b) and b > 0 else None
+
+
+def _times(ratio) -> str:
+    """A ratio with three decimals, or two significant digits below 0.1 (0.0079, not 0.008)."""
+    return _fmt(ratio, ".3f" if not _num(ratio) or ratio >= 0.1 else ".2g")
+
+
+def _is_dense(run: dict) -> bool:
+    return _get(run, "method") == DENSE_METHOD
+
+
+def dense_reference(runs: list) -> Optional[dict]:
+    """The first run of method ``dense`` that counted its inter-node bytes: the measured reference."""
+    return next((r for r in runs if _is_dense(r) and _num(_get(r, "inter_bytes"))), None)
+
+
+def counterfactual_label(run: dict) -> str:
+    """What ``run``'s ``dense_inter_bytes`` counts, as its label: :data:`COUNTERFACTUAL` for the PruneX methods
+    (their rounds, dense), :data:`COUNTERFACTUAL_STEPS` for the other methods (a dense run of the same steps)."""
+    from .methods import METHODS, ONLY_FOR
+    method = _get(run, "method")
+    if method in ONLY_FOR["rho1"]:   # (the consensus methods: the settings of ρ are theirs)
+        return COUNTERFACTUAL
+    return COUNTERFACTUAL_STEPS if method in METHODS else COUNTERFACTUAL_ANY
+
+
+def _sparsity(run: dict) -> str:
+    """The run's sparsity spec; "none" for a method that prunes nothing (it was given the spec, not using it)."""
+    from .methods import METHODS, ONLY_FOR
+    method = _get(run, "method")
+    if method in METHODS and method not in ONLY_FOR["sparsity"]:
+        return "none"
+    return _cell(_get(run, "sparsity"))
+
+
 def markdown_table(runs: list) -> str:
-    """One markdown row per loaded run (see :func:`load_run`): setup, accuracy, density and traffic."""
+    """One markdown row per loaded run (see :func:`load_run`): setup, accuracy, density and traffic. With a
+    measured dense run in ``runs`` (:func:`dense_reference`), a ``× dense run`` column: each run's inter-node
+    bytes over that run's."""
+    ref = dense_reference(runs)
+    ref_bytes = _get(ref, "inter_bytes") if ref else None
     head = ["run", "method", "model", "dataset", "sparsity", "ranks", "final test acc %", "density",
-            "inter-node MB", "dense-equivalent MB", "ratio", "wall s"]
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 5 + ["---:"] * 7) + "|"]
+            "inter-node MB"] + (["× dense run"] if ref else []) + [
+            "counterfactual MB (dense, never sent)", "× counterfactual", "wall s"]
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 5 + ["---:"] * (len(head) - 5)) + "|"]
     for r in runs:
         nodes, rpn, world = _get(r, "num_nodes"), _get(r, "ranks_per_node"), _get(r, "world_size")
         ranks = f"{nodes}×{rpn}" if nodes is not None and rpn is not None else _cell(world)
         acc = _final_acc(r)
         inter, dense = _get(r, "inter_bytes"), _get(r, "dense_inter_bytes")
-        ratio = inter / dense if _num(inter) and _num(dense) and dense > 0 else None
         row = [_label(r), _cell(_get(r, "method")), _cell(_get(r, "model")), _cell(_get(r, "dataset")),
-               _cell(_get(r, "sparsity")), ranks, _fmt(acc * 100 if acc is not None else None, ".2f"),
-               _fmt(_get(r, "density"), ".3f"),
-               _fmt(inter / MB if _num(inter) else None, ".2f"),
-               _fmt(dense / MB if _num(dense) else None, ".2f"),
-               _fmt(ratio, ".3f"), _fmt(_get(r, "wall_s"), ".1f")]
+               _sparsity(r), ranks, _fmt(acc * 100 if acc is not None else None, ".2f"),
+               _fmt(_get(r, "density"), ".3f"), _fmt(inter / MB if _num(inter) else None, ".2f")]
+        row += [_times(_ratio(inter, ref_bytes))] if ref else []
+        row += [_fmt(dense / MB if _num(dense) else None, ".2f"), _times(_ratio(inter, dense)),
+                _fmt(_get(r, "wall_s"), ".1f")]
         out.append("| " + " | ".join(row) + " |")
     return "\n".join(out) + "\n"
+
+
+def summary_lines(runs: list) -> list:
+    """Each run against the measured dense run, from the runs' own byte ledgers (``inter_bytes``): accuracy,
+    density, inter-node MB and their ratio. Empty without a measured dense run in ``runs``."""
+    ref = dense_reference(runs)
+    if ref is None:
+        return []
+    ref_bytes = _get(ref, "inter_bytes")
+    lines = [f"{_label(ref)} (measured reference: gradient allreduce every step): final test accuracy "
+             f"{_pct(_final_acc(ref))}, {ref_bytes / MB:.2f} MB across nodes"]
+    for r in runs:
+        inter = _get(r, "inter_bytes")
+        if r is ref or not _num(inter):
+            continue
+        ratio = _ratio(inter, ref_bytes)
+        fewer = f" ({1 / ratio:.0f}x fewer bytes)" if ratio and ratio < 1 else ""
+        lines.append(f"{_label(r)}: final test accuracy {_pct(_final_acc(r))} at density "
+                     f"{_fmt(_get(r, 'density'), '.3f')}, {inter / MB:.2f} MB across nodes = "
+                     f"{_times(ratio)}x the dense run's measured {ref_bytes / MB:.2f} MB" + fewer)
+    return lines
+
+
+def _pct(acc) -> str:
+    return f"{acc * 100:.2f}%" if _num(acc) else "—"
 
 
 def comparison_table(runs: list) -> str:
     """Methods side by side (``prunex-hvd compare``): accuracy, density, inter-node bytes and wall time,
     with bytes and time relative to the ``dense`` run when there is one."""
-    dense = next((r for r in runs if _get(r, "method") == "dense"), None)
+    dense = dense_reference(runs)
     base_bytes, base_wall = (_get(dense, "inter_bytes"), _get(dense, "wall_s")) if dense else (None, None)
     head = ["method", "final test acc %", "density", "inter-node MB", "× dense bytes", "wall s", "× dense time"]
     out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in runs:
         acc, inter, wall = _final_acc(r), _get(r, "inter_bytes"), _get(r, "wall_s")
-        rel = lambda a, b: a / b if _num(a) and _num(b) and b > 0 else None  # noqa: E731
         out.append("| " + " | ".join([
             _cell(_get(r, "method")), _fmt(acc * 100 if acc is not None else None, ".2f"),
             _fmt(_get(r, "density"), ".3f"), _fmt(inter / MB if _num(inter) else None, ".2f"),
-            _fmt(rel(inter, base_bytes), ".3f"), _fmt(wall, ".1f"), _fmt(rel(wall, base_wall), ".2f")]) + " |")
+            _times(_ratio(inter, base_bytes)), _fmt(wall, ".1f"), _fmt(_ratio(wall, base_wall), ".2f")]) + " |")
     return "\n".join(out) + "\n"
 
 
@@ -309,7 +391,7 @@ def _save(fig, path: Path, tight: bool = True) -> str:
 
 def _fig_accuracy_time(runs, colours, path):
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=_CURVES)
     drawn = False
     for r, c in zip(runs, colours):
         xs, ys = _series(r, "wall_s", "test_acc")
@@ -330,19 +412,15 @@ def _fig_accuracy_time(runs, colours, path):
 def _fig_accuracy_epoch(groups, colours, path):
     """One line per variant: the mean over its seeds at each evaluated epoch, the seeds' range as a band."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=_CURVES)
     drawn = False
     for (variant, group), c in zip(groups.items(), colours):
-        at = {}   # epoch -> accuracies of the seeds evaluated there
-        for r in group:
-            for e, a in zip(*_series(r, "epoch", "test_acc")):
-                at.setdefault(round(e, 6), []).append(a * 100)
+        at = _by_epoch(group, "test_acc", 100)
         if not at:
             continue
         drawn = True
         xs = sorted(at)
-        label = variant + (f" ({len(group)} seeds)" if len(group) > 1 else "")
-        ax.plot(xs, [_mean(at[x]) for x in xs], "-o", color=c, ms=3, lw=1.6, label=label)
+        ax.plot(xs, [_mean(at[x]) for x in xs], "-o", color=c, ms=3, lw=1.6, label=_variant_label(variant, group))
         if len(group) > 1:
             ax.fill_between(xs, [min(at[x]) for x in xs], [max(at[x]) for x in xs], color=c, alpha=0.15, lw=0)
     if not drawn:
@@ -351,6 +429,56 @@ def _fig_accuracy_epoch(groups, colours, path):
     ax.set(title="Test accuracy at equal epochs", xlabel="Epoch", ylabel="Test accuracy (%)")
     ax.set_xlim(left=0)
     _legend(ax)
+    return _save(fig, path)
+
+
+def _by_epoch(group: list, key: str, scale: float = 1.0) -> dict:
+    """{epoch: [``key`` × ``scale`` of each run in ``group`` evaluated there]}."""
+    at = {}
+    for r in group:
+        for e, v in zip(*_series(r, "epoch", key)):
+            at.setdefault(round(e, 6), []).append(v * scale)
+    return at
+
+
+def _variant_label(variant: str, group: list) -> str:
+    return variant + (f" ({len(group)} seeds)" if len(group) > 1 else "")
+
+
+_LOSSES = (("test_loss", "-", "test loss (solid)"), ("train_loss", "--", "training loss (dashed)"))
+
+
+def _fig_loss_epoch(groups, colours, path):
+    """Per variant, the mean over its seeds at each epoch: test loss solid, training loss dashed; a log axis
+    when the losses span more than a decade."""
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
+    fig, ax = plt.subplots(figsize=_CURVES)
+    handles, values = [], []
+    for (variant, group), c in zip(groups.items(), colours):
+        drawn = False
+        for key, style, _ in _LOSSES:
+            at = _by_epoch(group, key)
+            xs = sorted(at)
+            ys = [_mean(at[x]) for x in xs]
+            if xs:
+                drawn = True
+                values += ys
+                ax.plot(xs, ys, style, color=c, lw=1.6 if style == "-" else 1.2, marker="o" if style == "-" else None,
+                        ms=3)
+        if drawn:
+            handles.append(Line2D([], [], color=c, lw=6, label=_variant_label(variant, group)))
+    if not handles:
+        plt.close(fig)
+        return None
+    handles += [Line2D([], [], color="0.3", ls=style, lw=1.4, label=what) for _, style, what in _LOSSES]
+    positive = [v for v in values if v > 0]
+    if positive and max(positive) > 10 * min(positive):
+        ax.set_yscale("log")
+    ax.set(title="Loss per epoch (test solid, training dashed)", xlabel="Epoch",
+           ylabel="Cross-entropy loss" + (" (log scale)" if ax.get_yscale() == "log" else ""))
+    ax.set_xlim(left=0)
+    _legend(ax, handles)
     return _save(fig, path)
 
 
@@ -402,16 +530,16 @@ def _final_marks(ax, runs, colours, xkey, xscale, logx=False):
         ax.plot([], [], "*", color="0.6", ms=11, mec="black", mew=0.6, label="final model (after finalize)")
 
 
-def _legend(ax):
-    """Inside when short; beside the axes when it would hide the curves."""
-    n = len(ax.get_legend_handles_labels()[0])
-    if n > 4:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    else:
-        ax.legend(loc="best")
+def _legend(ax, handles=None, **kw):
+    """Beside the axes, on the right: a legend there never hides a curve or a bar."""
+    kw = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, **kw)
+    return ax.legend(handles=handles, **kw) if handles else ax.legend(**kw)
 
 
 def _fig_accuracy_bytes(runs, colours, path):
+    """Per run its accuracy against its measured cumulative inter-node MB (solid), and against its
+    counterfactual's (in the run's colour, dashed or dotted by the kind of counterfactual: one legend entry
+    per kind, so the legend stays one line per run)."""
     plt = _pyplot()
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     curves = []   # (run, colour, sent MB, acc %, dense MB or None)
@@ -420,15 +548,17 @@ def _fig_accuracy_bytes(runs, colours, path):
         if not xs:
             continue
         dx, dy = _series(r, "dense_inter_bytes", "test_acc")
-        # a dense run's "dense exchange" curve is its own curve: drawing it twice only clutters the legend
-        same = len(dx) == len(xs) and all(abs(a - b) <= 0.005 * max(abs(b), 1) for a, b in zip(xs, dx))
+        # a dense run's counterfactual is its own measured curve: drawing it twice only clutters the legend
+        same = _is_dense(r) or (len(dx) == len(xs) and
+                                all(abs(a - b) <= 0.005 * max(abs(b), 1) for a, b in zip(xs, dx)))
         curves.append((r, c, [x / MB for x in xs], [y * 100 for y in ys],
                        None if (not dx or same) else ([x / MB for x in dx], [y * 100 for y in dy])))
     if not curves:
         return None
     pos = [x for _, _, xs, _, d in curves for x in xs + (d[0] if d else []) if x > 0]
     logx = bool(pos) and max(pos) > 10 * min(pos)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=_CURVES)
+    kinds = {}   # counterfactual label -> its line style
     for r, c, xs, ys, dense in curves:
         if logx:    # round 0 sent nothing: no place for it on a log axis
             xs, ys = zip(*[(x, y) for x, y in zip(xs, ys) if x > 0]) if any(x > 0 for x in xs) else ([], [])
@@ -438,7 +568,11 @@ def _fig_accuracy_bytes(runs, colours, path):
             if logx:
                 pts = [(x, y) for x, y in zip(dxs, dys) if x > 0]
                 dxs, dys = zip(*pts) if pts else ([], [])
-            ax.plot(dxs, dys, "--", color=c, lw=1.2, alpha=0.45, label=f"{_label(r)} (dense exchange)")
+            kind = counterfactual_label(r)
+            style = kinds.setdefault(kind, _COUNTERFACTUAL_STYLES.get(kind, "-."))
+            ax.plot(dxs, dys, style, color=c, lw=1.3, alpha=0.55)
+    for kind, style in kinds.items():
+        ax.plot([], [], style, color="0.35", lw=1.3, label=f"{kind}\n(in its run's colour)")
     _final_marks(ax, runs, colours, "inter_bytes", MB, logx)
     if logx:
         ax.set_xscale("log")
@@ -462,62 +596,74 @@ def _layer_order(dicts):
     return list(names)
 
 
-def _fig_residuals(runs, path):
-    plt = _pyplot()
-    from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import Normalize
+def _residual_layers(run: dict, recs: list):
+    """(the conv layers drawn, how many conv layers there are): up to :data:`_RESIDUAL_MAX_LAYERS`, spread
+    over depth. The engine also reports BN and FC tensors; the figure is about the conv layers."""
+    layers = _layer_order(m["residuals"] for m in recs)
+    convs = set(_layer_density(run) or ())
+    if convs & set(layers):
+        layers = [n for n in layers if n in convs]
+    return _spread(layers, _RESIDUAL_MAX_LAYERS), len(layers)
+
+
+def _layer_styles(n: int):
+    """(colour, line style) per layer: a qualitative palette, and a style that changes between neighbours,
+    so no two lines share both."""
+    return [(c, _LINE_STYLES[i % len(_LINE_STYLES)]) for i, c in enumerate(_colours(n))]
+
+
+def _residual_panel(ax, recs, layers, styles, key, what, title):
+    """One run's ``key`` residual per layer over rounds; says so in the panel when nothing positive was."""
     from matplotlib.ticker import MaxNLocator
+    drawn = seen = False
+    for layer, (colour, style) in zip(layers, styles):
+        xs, ys = [], []
+        for m in recs:
+            v = (m["residuals"].get(layer) or {}).get(key)
+            seen = seen or _num(v)
+            if _num(v) and v > 0 and _num(m.get("round")):
+                xs.append(m["round"])
+                ys.append(v)
+        if xs:
+            drawn = True
+            ax.plot(xs, ys, color=colour, ls=style, lw=1.4, marker="." if len(xs) < 30 else None)
+    ax.set_title(f"{title}: {what} ({key})")
+    ax.set_xlabel("Consensus round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel(f"{key} (L2 norm, log scale)")
+    if drawn:
+        ax.set_yscale("log")
+        return
+    ax.text(0.5, 0.5, f"{key} = 0 in every round" if seen else f"no {key} recorded",
+            ha="center", va="center", transform=ax.transAxes, color="0.4")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _fig_residuals(runs, path):
+    """A row per run, a column per tier; one line per conv layer (up to ten, spread over depth), named in
+    the row's legend beside the last panel."""
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
     have = [r for r in runs if any(isinstance(m.get("residuals"), dict) and m["residuals"] for m in r["metrics"])]
     if not have:
         return None
     racks = any("r_spine" in (res or {}) for r in have for m in r["metrics"]
                 for res in (m.get("residuals") or {}).values() if isinstance(res, dict))
     columns = RESIDUALS if racks else RESIDUALS[:2]
-    fig, axes = plt.subplots(len(have), len(columns), figsize=(6 * len(columns), 3.3 * len(have) + 0.4),
+    fig, axes = plt.subplots(len(have), len(columns), figsize=(5.6 * len(columns) + 2.4, 3.3 * len(have) + 0.4),
                              squeeze=False, layout="constrained")
-    cmap = plt.get_cmap("viridis")
     for row, r in zip(axes, have):
         recs = [m for m in r["metrics"] if isinstance(m.get("residuals"), dict)]
-        layers = _layer_order(m["residuals"] for m in recs)
-        convs = set(_layer_density(r) or ())
-        if convs & set(layers):   # the engine also reports BN and FC tensors; the figure is about the conv layers
-            layers = [n for n in layers if n in convs]
-        shade = [cmap(i / max(len(layers) - 1, 1)) for i in range(len(layers))]
+        layers, total = _residual_layers(r, recs)
+        styles = _layer_styles(len(layers))
         for ax, (key, what) in zip(row, columns):
-            drawn = False
-            seen = False
-            for li, layer in enumerate(layers):
-                xs, ys = [], []
-                for m in recs:
-                    v = (m["residuals"].get(layer) or {}).get(key)
-                    seen = seen or _num(v)
-                    if _num(v) and v > 0 and _num(m.get("round")):
-                        xs.append(m["round"])
-                        ys.append(v)
-                if xs:
-                    drawn = True
-                    ax.plot(xs, ys, color=shade[li], lw=1.3, marker="." if len(xs) < 30 else None,
-                            label=_short(layer))
-            ax.set_title(f"{_label(r)}: {what} ({key})")
-            ax.set_xlabel("Consensus round")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_ylabel(f"{key} (L2 norm, log scale)")
-            if not drawn:
-                ax.text(0.5, 0.5, f"{key} = 0 in every round" if seen else f"no {key} recorded",
-                        ha="center", va="center", transform=ax.transAxes, color="0.4")
-                ax.set_xticks([])
-                ax.set_yticks([])
-                continue
-            ax.set_yscale("log")
-            if len(layers) <= _LEGEND_MAX_LAYERS:
-                ax.legend(fontsize=7, ncol=2 if len(layers) > 4 else 1)
-        if len(layers) > _LEGEND_MAX_LAYERS:   # too many for a legend: one depth colour bar for the row
-            cb = fig.colorbar(ScalarMappable(Normalize(1, len(layers)), cmap), ax=list(row), pad=0.015,
-                              fraction=0.03)
-            cb.ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
-            cb.set_label(f"conv layer # (1 = {_short(layers[0])}, {len(layers)} = {_short(layers[-1])})",
-                         fontsize=7)
-    return _save(fig, path, tight=False)   # constrained layout already made room for the colour bars
+            _residual_panel(ax, recs, layers, styles, key, what, _label(r))
+        handles = [Line2D([], [], color=c, ls=ls, lw=1.6, label=_short(n)) for n, (c, ls) in zip(layers, styles)]
+        shown = f"all {total}" if len(layers) == total else f"{len(layers)} of {total}, spread over depth"
+        row[-1].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0,
+                       title=f"conv layer ({shown})", title_fontsize=8, fontsize=7)
+    return _save(fig, path, tight=False)   # constrained layout already made room for the legends
 
 
 def _layer_density(run):
@@ -539,7 +685,7 @@ def _fig_density(runs, colours, path):
     layers = _layer_order(ld for _, _, ld in have)
     n, k = len(layers), len(have)
     width = 0.8 / k
-    fig, ax = plt.subplots(figsize=(min(max(7, 0.3 * n * max(1, k / 2) + 2), 28), 4.8))
+    fig, ax = plt.subplots(figsize=(min(max(7, 0.3 * n * max(1, k / 2) + 2), 28) + 2.5, 4.8))   # + legend
     for j, (r, c, ld) in enumerate(have):
         xs = [i + (j - (k - 1) / 2) * width for i, name in enumerate(layers) if _num(ld.get(name))]
         ys = [ld[name] for name in layers if _num(ld.get(name))]
@@ -560,7 +706,7 @@ def _fig_density(runs, colours, path):
     ax.set(title="Final density per conv layer", xlabel="Conv layer",
            ylabel="Density (fraction of weights kept)")
     ax.grid(axis="x", visible=False)
-    ax.legend(loc="upper right", fontsize=8)
+    _legend(ax)
     return _save(fig, path)
 
 
@@ -637,44 +783,79 @@ def _fig_masks(run, path, max_layers):
     return _save(fig, path)
 
 
+def _traffic_note(sent: float, counterfactual, ref_mb, is_ref: bool, narrow: bool = False) -> str:
+    """What is written over a run's measured bar: its MB (a log axis is hard to read off), then its ratio to
+    the measured dense run, else to its counterfactual (``narrow``: the ratio over two lines)."""
+    if is_ref:
+        ratio = "the reference"
+    elif ref_mb:
+        ratio = f"{sent / ref_mb:.2g}× dense run"
+    else:
+        ratio = f"{sent / counterfactual:.3f}× counterfactual" if counterfactual else ""
+    if narrow:
+        ratio = ratio.replace("× ", "×\n", 1)
+    return f"{sent:.3g} MB" + (f"\n{ratio}" if ratio else "")
+
+
 def _fig_communication(runs, colours, path):
+    """Per run its measured inter-node MB (solid) beside its counterfactual (hatched; not for a dense run, whose
+    counterfactual is what it measured), with the MB and a ratio over the measured bar. The legend names the
+    counterfactual when all runs share one kind; else each hatched bar says which it is."""
     plt = _pyplot()
     from matplotlib.patches import Patch
-    have = []
+    have = []   # (run, colour, measured MB, counterfactual MB or None)
     for r, c in zip(runs, colours):
         inter, dense = _get(r, "inter_bytes"), _get(r, "dense_inter_bytes")
         if _num(inter):
-            have.append((r, c, inter / MB, dense / MB if _num(dense) else None))
+            cf = dense / MB if _num(dense) and dense > 0 and not _is_dense(r) else None
+            have.append((r, c, inter / MB, cf))
     if not have:
         return None
-    fig, ax = plt.subplots(figsize=(max(5.5, 1.6 * len(have) + 2.5), 4.5))
-    w = 0.38
+    kinds = {counterfactual_label(r) for r, _, _, cf in have if cf is not None}
+    ref = dense_reference(runs)
+    ref_mb = _get(ref, "inter_bytes") / MB if ref else None
+    narrow = len(have) > 3   # then each run's notes take two lines more, its bars less width
+    fig, ax = plt.subplots(figsize=(min(max(5.5, (1.6 if narrow else 2.2) * len(have) + 2.5), 16) + 2.8, 4.5))
     pos = [v for _, _, s, d in have for v in (s, d) if v is not None and v > 0] or [1.0]
     top, low = max(pos), min(pos)
     logy = top > 30 * low   # a small run next to a big one would be an invisible sliver on a linear axis
-    for i, (r, c, sent, dense) in enumerate(have):
-        ax.bar(i - w / 2, sent, w, color=c, edgecolor=c)
-        if dense is not None:
-            ax.bar(i + w / 2, dense, w, color=c, alpha=0.3, edgecolor=c, hatch="//")
-            if dense > 0:
-                y = max(sent, low) * 1.08 if logy else sent + 0.015 * top
-                ax.text(i - w / 2, y, f"{sent / dense:.3f}×", ha="center", va="bottom", fontsize=9,
-                        fontweight="bold")
+    lift = (lambda v: max(v, low) * 1.08) if logy else (lambda v: v + 0.015 * top)   # just over a bar
+    for i, (r, c, sent, cf) in enumerate(have):
+        _traffic_bars(ax, i, c, sent, cf, lift, _traffic_note(sent, cf, ref_mb, r is ref, narrow),
+                      counterfactual_label(r) if len(kinds) > 1 else None)
     ax.set_xticks(range(len(have)))
     ax.set_xticklabels([_label(r) for r, *_ in have], rotation=20 if len(have) > 3 else 0,
                        ha="right" if len(have) > 3 else "center")
     if logy:
         ax.set_yscale("log")
-        ax.set_ylim(low / 2, top * 6)
+        ax.set_ylim(low / 2, top * 4)
     else:
-        ax.set_ylim(0, top * 1.28)   # headroom for the ratios and the legend
-    ax.set(title="Inter-node traffic: sent vs a dense exchange",
+        ax.set_ylim(0, top * 1.15)   # headroom for the notes
+    ax.set(title="Inter-node traffic per run: measured" + (" (solid) and counterfactual (hatched)" if kinds else ""),
            ylabel="Inter-node traffic (MB" + (", log scale)" if logy else ")"))
     ax.grid(axis="x", visible=False)
-    ax.legend(handles=[Patch(facecolor="0.35", label="sent (ratio to dense on top)"),
-                       Patch(facecolor="0.35", alpha=0.3, hatch="//", edgecolor="0.35",
-                             label="dense-equivalent")], loc="upper left", ncol=2)
+    handles = [Patch(facecolor="0.35", label="measured: sent across nodes\n(the run's byte ledger)")]
+    if kinds:
+        handles.append(Patch(facecolor="0.35", alpha=0.3, hatch="//", edgecolor="0.35",
+                             label=f"{kinds.pop() if len(kinds) == 1 else COUNTERFACTUAL_ANY}\n(never sent)"))
+    _legend(ax, handles)
     return _save(fig, path)
+
+
+def _traffic_bars(ax, i, colour, sent, cf, lift, note, cf_label=None):
+    """Run ``i``'s measured bar with ``note`` over it (bold), and its counterfactual bar beside it, with what
+    that counts over it (``cf_label``, grey) when the legend cannot say."""
+    w = 0.38
+    x = i - w / 2 if cf is not None else i
+    ax.bar(x, sent, w, color=colour, edgecolor=colour)
+    ax.text(x, lift(sent), note, ha="center", va="bottom", fontsize=8, fontweight="bold", linespacing=1.2)
+    if cf is None:
+        return
+    ax.bar(i + w / 2, cf, w, color=colour, alpha=0.3, edgecolor=colour, hatch="//")
+    if cf_label:
+        what = cf_label.split(": ", 1)[-1]
+        ax.text(i + w / 2, lift(cf), what.replace(" sent ", "\nsent ").replace(" every ", "\nevery "),
+                ha="center", va="bottom", fontsize=7, color="0.3", linespacing=1.1)
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -688,8 +869,9 @@ def make_report(run_dirs: list, out_dir: Optional[str] = None, max_mask_layers: 
     """Load ``run_dirs``, write the figures that some run has data for and ``report.md`` into ``out_dir``.
     With ``targets`` (accuracies in (0, 1]) also the epochs-to-target figure and table.
 
-    Returns ``{"out_dir", "figures": {key: path}, "table": path}``; ``figures`` lists only what was written
-    (keys: the file stems, e.g. ``"accuracy_vs_time"``, ``"masks_<run>"``). Raises ValueError for a path
+    Returns ``{"out_dir", "figures": {key: path}, "table": path, "summary": [lines]}``; ``figures`` lists only
+    what was written (keys: the file stems, e.g. ``"accuracy_vs_time"``, ``"masks_<run>"``); ``summary`` is
+    :func:`summary_lines` (empty without a measured dense run). Raises ValueError for a path
     that is not a run directory (see :func:`load_run`).
     """
     if isinstance(run_dirs, (str, Path)):   # one run passed bare: not a list of its characters
@@ -710,6 +892,7 @@ def make_report(run_dirs: list, out_dir: Optional[str] = None, max_mask_layers: 
     with plt.rc_context(_STYLE):
         group_colours = _colours(len(groups))
         for key, draw in (("accuracy_vs_epoch", lambda p: _fig_accuracy_epoch(groups, group_colours, p)),
+                          ("loss_vs_epoch", lambda p: _fig_loss_epoch(groups, group_colours, p)),
                           ("epochs_to_target", lambda p: targets and _fig_epochs_to_target(
                               groups, group_colours, targets, p)),
                           ("accuracy_vs_time", lambda p: _fig_accuracy_time(runs, colours, p)),
@@ -725,20 +908,83 @@ def make_report(run_dirs: list, out_dir: Optional[str] = None, max_mask_layers: 
             written = _fig_masks(r, out / f"{key}.png", max_mask_layers)
             if written:
                 figures[key] = written
-    md = ["# Training report", "", markdown_table(runs)]
+    table = out / "report.md"
+    table.write_text(report_markdown(runs, figures, targets))
+    return {"out_dir": str(out), "figures": figures, "table": str(table), "summary": summary_lines(runs)}
+
+
+# (title, caption) per figure: the caption says what the figure shows and how to read it
+FIGURES = {
+    "accuracy_vs_epoch": ("Test accuracy at equal epochs",
+                          "Test accuracy after each epoch, higher is better; over several seeds the line is "
+                          "their mean and the band their range."),
+    "loss_vs_epoch": ("Loss per epoch",
+                      "Cross-entropy per epoch, one colour per run: test loss solid, training loss (mean over "
+                      "the epoch's batches) dashed; lower is better, a rising test curve under a falling "
+                      "training one is overfitting."),
+    "epochs_to_target": ("Epochs to target",
+                         "First epoch whose test accuracy reaches each target, mean over seeds; shorter bars "
+                         "are better, \"never\" where no seed got there."),
+    "accuracy_vs_time": ("Test accuracy vs wall time",
+                         "Test accuracy against cumulative training wall time on this machine; curves further "
+                         "left got there sooner, stars are the final model."),
+    "accuracy_vs_inter_bytes": ("Test accuracy vs inter-node traffic",
+                                "Test accuracy against cumulative inter-node MB, measured (solid, from each run's "
+                                "byte ledger); dashed, the run's counterfactual (never sent, see Terms); further "
+                                "left is cheaper, stars are the final model."),
+    "residuals": ("Per-layer primal residuals",
+                  "How far each conv layer's copies are from their consensus, per round (log scale): within a "
+                  "node (r_intra) and between nodes (r_inter); falling lines mean the copies agree; the legend "
+                  "names the layers drawn (at most ten, spread over depth)."),
+    "density_per_layer": ("Final density per layer",
+                          "Fraction of each conv layer's weights the final model keeps (1 = not pruned); the "
+                          "dashed line is the keep ratio asked for, which with one budget across layers holds "
+                          "for the model, not for each layer."),
+    "communication": ("Inter-node traffic per run",
+                      "Inter-node MB over the whole run: solid bars measured, hatched bars the counterfactual "
+                      "(never sent, see Terms); over each solid bar its MB and its ratio to the measured dense "
+                      "run, or to its counterfactual when there is none."),
+}
+_MASKS = ("Pruned weights: {run}",
+          "The final model's conv weights as GEMM matrices (rows: output filters, columns: input channel × "
+          "kernel position), white where pruned, colour |W| against the median kept weight.")
+
+TERMS = [
+    "**Inter-node bytes** (`inter_bytes`): what the ranks' collectives sent across node boundaries during "
+    "training, summed over the ranks, as the run's byte ledger counts every collective under a ring model of "
+    "its algorithm (exact for two nodes); the first broadcast of the weights and evaluation are not counted. "
+    "MB = 2^20 bytes.",
+    "**Dense run**: a run of method `dense`, data-parallel training as Horovod does it: an allreduce of the "
+    "whole gradient every step. Measured like every other run, it is the reference the `× dense run` column "
+    "divides by.",
+    "**Counterfactual** (`dense_inter_bytes`, also called dense-equivalent): bytes the trainer computes and "
+    f"never sends. For PruneX (\"{COUNTERFACTUAL}\") its consensus rounds had each been a dense allreduce of "
+    "the whole model: how much each exchange was compressed, not the saving against a dense run, which "
+    f"exchanges every step. For the other methods (\"{COUNTERFACTUAL_STEPS}\") what a dense run of the same "
+    "steps would send.",
+    "**Density**: the fraction of the prunable conv weights the final model keeps (1.000 = nothing pruned).",
+    "**Ratio** (`× dense run`, `× counterfactual`): a run's inter-node bytes over the dense run's measured "
+    "bytes, or over its own counterfactual; below 1 is fewer bytes.",
+    "**Final model**: the weights after `finalize` (for PruneX the last projection onto the structured-sparse "
+    "set, the same on every rank), BatchNorm statistics recalibrated on training batches; its accuracy is the "
+    "table's final test accuracy and the stars in the figures.",
+]
+
+
+def report_markdown(runs: list, figures: dict, targets: Optional[list] = None) -> str:
+    """``report.md``: against the measured dense run (when there is one), the table, the terms, the
+    epochs-to-target table (with ``targets``), then every figure in ``figures`` with its caption."""
+    md = ["# Training report", ""]
+    lines = summary_lines(runs)
+    if lines:
+        md += ["Against the measured dense run:", ""] + [f"* {line}" for line in lines] + [""]
+    md += [markdown_table(runs), "## Terms", ""] + [f"* {t}" for t in TERMS] + [""]
     if targets:
         md += ["## Epochs to target", "", target_table(runs, targets)]
-    titles = {"accuracy_vs_epoch": "Test accuracy at equal epochs", "epochs_to_target": "Epochs to target",
-              "accuracy_vs_time": "Test accuracy vs wall time",
-              "accuracy_vs_inter_bytes": "Test accuracy vs inter-node traffic",
-              "residuals": "Per-layer primal residuals", "density_per_layer": "Final density per layer",
-              "communication": "Inter-node traffic vs dense exchange"}
     for key, p in figures.items():
-        title = titles.get(key) or f"Pruned weights: {key[len('masks_'):]}"
-        md += [f"## {title}", "", f"![{title}]({Path(p).name})", ""]
-    table = out / "report.md"
-    table.write_text("\n".join(md))
-    return {"out_dir": str(out), "figures": figures, "table": str(table)}
+        title, caption = FIGURES.get(key) or (_MASKS[0].format(run=key[len("masks_"):]), _MASKS[1])
+        md += [f"## {title}", "", f"![{title}]({Path(p).name})", "", f"*{caption}*", ""]
+    return "\n".join(md)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -771,6 +1017,10 @@ def run_args(args) -> int:
     for p in res["figures"].values():
         print(p)
     print(res["table"])
+    if res["summary"]:
+        print("\nagainst the measured dense run (from the runs' byte ledgers):")
+        for line in res["summary"]:
+            print("  " + line)
     return 0
 
 

@@ -48,7 +48,7 @@ def _admm_run(root: Path) -> Path:
              "dense_inter_bytes": 4 * MIB, "density": 0.5, "layer_density": {name: 0.5 for name in LAYERS}}
     _write_jsonl(d / "metrics.jsonl", rounds + [final])
     (d / "summary.json").write_text(json.dumps({
-        "name": "prunex", "method": "hsadmm", "model": "tinynet", "dataset": "cifar10", "sparsity": "channel:0.5",
+        "name": "prunex", "method": "prunex", "model": "tinynet", "dataset": "cifar10", "sparsity": "channel:0.5",
         "world_size": 4, "num_nodes": 2, "ranks_per_node": 2, "epochs": 4, "rounds": 4, "steps": 400,
         "final_test_acc": 0.8765, "final_test_loss": 0.7, "density": 0.5,
         "layer_density": {"conv1.weight": 0.667, "conv2.weight": 0.5, "conv3.weight": 0.5},
@@ -85,9 +85,52 @@ def runs(tmp_path_factory):
     return _admm_run(root), _baseline_run(root)
 
 
+def _dense_run(root: Path) -> Path:
+    """A complete measured dense run (method ``dense``): 8 MiB across nodes, its counterfactual the same."""
+    d = root / "dense"
+    d.mkdir()
+    _write_jsonl(d / "metrics.jsonl", [
+        {"event": "round", "method": "dense", "round": i + 1, "epoch": float(i + 1), "wall_s": 9.0 * (i + 1),
+         "train_loss": 1.8 - 0.4 * i, "test_loss": 1.4 - 0.3 * i, "test_acc": 0.6 + 0.1 * i,
+         "inter_bytes": 2 * MIB * (i + 1), "dense_inter_bytes": 2 * MIB * (i + 1), "density": 1.0}
+        for i in range(4)])
+    (d / "summary.json").write_text(json.dumps({
+        "method": "dense", "model": "tinynet", "dataset": "cifar10", "sparsity": "channel:0.5", "world_size": 4,
+        "num_nodes": 2, "ranks_per_node": 2, "final_test_acc": 0.9012, "density": 1.0, "inter_bytes": 8 * MIB,
+        "dense_inter_bytes": 8 * MIB, "wall_s": 36.0}))
+    return d
+
+
+def _keeping_figures(figs: dict):
+    """A stand-in for the report's ``_save`` that also keeps each figure in ``figs`` by its file stem."""
+    save = report._save
+
+    def keep(fig, path, tight=True):
+        out = save(fig, path, tight)
+        figs[Path(path).stem] = fig
+        return out
+    return keep
+
+
+def _report_drawn(run_dirs, out_dir, **kw) -> dict:
+    """``make_report``'s answer, with ``"drawn"``: {figure stem: matplotlib Figure} of what it saved."""
+    figs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(report, "_save", _keeping_figures(figs))
+        res = report.make_report([str(d) for d in run_dirs], out_dir=str(out_dir), **kw)
+    return dict(res, drawn=figs)
+
+
 @pytest.fixture(scope="module")
 def made(runs, tmp_path_factory):
-    return report.make_report([str(p) for p in runs], out_dir=str(tmp_path_factory.mktemp("out")))
+    return _report_drawn(runs, tmp_path_factory.mktemp("out"))
+
+
+@pytest.fixture(scope="module")
+def with_dense(runs, tmp_path_factory):
+    """PruneX beside a measured dense run."""
+    root = tmp_path_factory.mktemp("with_dense")
+    return _report_drawn([runs[0], _dense_run(root)], root / "rep", max_mask_layers=0)
 
 
 def _valid_png(path):
@@ -103,7 +146,7 @@ def test_load_run_complete_and_incomplete(runs):
 
 
 def test_every_figure_written_and_valid(made):
-    expected = {"accuracy_vs_epoch", "accuracy_vs_time", "accuracy_vs_inter_bytes", "residuals",
+    expected = {"accuracy_vs_epoch", "loss_vs_epoch", "accuracy_vs_time", "accuracy_vs_inter_bytes", "residuals",
                 "density_per_layer", "communication", "masks_prunex"}
     assert set(made["figures"]) == expected
     for key, path in made["figures"].items():
@@ -117,9 +160,11 @@ def test_table_numbers_and_links(made):
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip().strip("|").split("|")]
             for line in md.splitlines() if line.startswith("| prunex") or line.startswith("| baseline")}
     a, b = rows["prunex"], rows["baseline (incomplete)"]
-    # run, method, model, dataset, sparsity, ranks, acc %, density, inter MB, dense MB, ratio, wall s
-    assert a == ["prunex", "hsadmm", "tinynet", "cifar10", "channel:0.5", "2×2", "87.65", "0.500", "1.00", "4.00",
+    # run, method, model, dataset, sparsity, ranks, acc %, density, inter MB, counterfactual MB, ratio, wall s
+    assert a == ["prunex", "prunex", "tinynet", "cifar10", "channel:0.5", "2×2", "87.65", "0.500", "1.00", "4.00",
                  "0.250", "51.0"]
+    assert "| × dense run |" not in md and "Against the measured dense run" not in md   # no dense run among these
+    assert made["summary"] == []
     assert b[1:4] == ["allreduce", "resnet18", "cifar10"]   # setup from config.json: no summary.json
     assert b[6] == "66.23"                                     # the last round had no eval: skipped
     assert b[8:11] == ["12.00", "12.00", "1.000"] and b[11] == "30.0"
@@ -129,8 +174,8 @@ def test_table_numbers_and_links(made):
 
 def test_figures_without_data_are_skipped(runs, tmp_path):
     res = report.make_report([str(runs[1])], out_dir=str(tmp_path))
-    assert set(res["figures"]) == {"accuracy_vs_epoch", "accuracy_vs_time", "accuracy_vs_inter_bytes",
-                                   "communication"}
+    assert set(res["figures"]) == {"accuracy_vs_epoch", "loss_vs_epoch", "accuracy_vs_time",
+                                   "accuracy_vs_inter_bytes", "communication"}   # (its training loss only)
     for skipped in ("residuals", "density_per_layer", "masks_baseline"):
         assert not (tmp_path / f"{skipped}.png").exists()
         assert f"{skipped}.png" not in (tmp_path / "report.md").read_text()
@@ -141,7 +186,18 @@ def test_main_writes_files(runs, tmp_path, capsys):
     assert report.main([str(runs[0]), str(runs[1]), "--out", str(out), "--mask-layers", "2"]) == 0
     printed = capsys.readouterr().out.split()
     assert str(out / "report.md") in printed and str(out / "masks_prunex.png") in printed
-    assert all(Path(p).is_file() for p in printed)
+    assert all(Path(p).is_file() for p in printed)   # the paths only: no dense run, no comparison
+
+
+def test_main_prints_the_comparison_with_the_dense_run(runs, tmp_path, capsys):
+    dense = _dense_run(tmp_path)
+    assert report.main([str(runs[0]), str(dense), "--out", str(tmp_path / "rep"), "--mask-layers", "0"]) == 0
+    paths, words = capsys.readouterr().out.split("\n\n", 1)
+    assert all(Path(p).is_file() for p in paths.split())
+    assert words.startswith("against the measured dense run")
+    assert "dense (measured reference" in words and "90.12%" in words                 # its accuracy
+    assert "prunex: final test accuracy 87.65%" in words and "1.00 MB across nodes = 0.125x the dense run's " \
+                                                             "measured 8.00 MB" in words
 
 
 def test_main_default_out_dir(tmp_path):
@@ -220,6 +276,7 @@ def test_seeds_are_one_variant_and_epochs_to_target(seeded):
 def test_epoch_figures_and_target_table(seeded, tmp_path):
     res = report.make_report([str(p) for p in seeded], out_dir=str(tmp_path / "rep"), targets=[0.95, 0.9])
     assert {"accuracy_vs_epoch", "epochs_to_target"} <= set(res["figures"])
+    assert "loss_vs_epoch" not in res["figures"]   # these runs recorded no loss
     for key in ("accuracy_vs_epoch", "epochs_to_target"):
         assert _valid_png(res["figures"][key])
     md = Path(res["table"]).read_text()
@@ -259,3 +316,136 @@ def test_racks_add_the_spine_residual_column(tmp_path):
         path = report._fig_residuals([report.load_run(d)], tmp_path / f"residuals-{racks}.png")
         widths[racks] = matplotlib.image.imread(path).shape[1]
     assert 1.4 < widths[True] / widths[False] < 1.6
+
+
+def _bar_notes(fig) -> list:
+    """The bold notes over the measured bars of the communication figure."""
+    return [t.get_text() for t in fig.axes[0].texts if t.get_fontweight() == "bold"]
+
+
+def _legend_texts(fig) -> list:
+    return [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+
+
+def _table(md: str):
+    """(column names, {run: cells}) of report.md's run table."""
+    lines = [line for line in md.splitlines() if line.startswith("| ")]
+    head = next(line for line in lines if line.startswith("| run |"))
+    cols = [c.strip() for c in head.strip().strip("|").split("|")]
+    rows = {}
+    for line in lines[lines.index(head) + 1:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0]] = cells
+    return cols, rows
+
+
+def test_measured_dense_run_is_the_reference(with_dense):
+    md = Path(with_dense["table"]).read_text()
+    cols, rows = _table(md)
+    at = cols.index("× dense run")
+    assert cols[at - 1] == "inter-node MB"
+    assert rows["prunex"][at] == "0.125" and rows["dense"][at] == "1.000"       # 1 MiB / 8 MiB measured
+    assert rows["prunex"][cols.index("× counterfactual")] == "0.250"            # its own counterfactual
+    assert rows["dense"][cols.index("sparsity")] == "none"                      # dense prunes nothing
+    summary = with_dense["summary"]
+    assert summary[0].startswith("dense (measured reference") and "90.12%" in summary[0]
+    assert "87.65%" in summary[1] and "0.125x the dense run's measured 8.00 MB" in summary[1]
+    assert "Against the measured dense run" in md and "0.125x the dense run" in md
+    # the dense run's bar is measured only (no counterfactual bar beside it); ratios are to it
+    comm = with_dense["drawn"]["communication"]
+    assert _bar_notes(comm) == ["1 MB\n0.12× dense run", "8 MB\nthe reference"]
+    assert len([b for b in comm.axes[0].patches if b.get_hatch()]) == 1         # prunex's counterfactual only
+    curves = _legend_texts(with_dense["drawn"]["accuracy_vs_inter_bytes"])
+    assert curves == ["prunex", "dense", f"{report.COUNTERFACTUAL}\n(in its run's colour)",
+                      "final model (after finalize)"]            # no counterfactual curve for the dense run
+    styles = [line.get_linestyle() for line in with_dense["drawn"]["accuracy_vs_inter_bytes"].axes[0].get_lines()]
+    assert styles.count("--") == 2                                # prunex's counterfactual and its legend entry
+
+
+def test_counterfactual_is_labelled_and_defined(made):
+    md = Path(made["table"]).read_text()
+    cols, _ = _table(md)
+    assert "counterfactual MB (dense, never sent)" in cols
+    terms = md.split("## Terms", 1)[1].split("\n## ", 1)[0]
+    for term in ("Inter-node bytes", "Dense run", "Counterfactual", "Density", "Ratio", "Final model"):
+        assert f"**{term}**" in terms, term
+    assert report.COUNTERFACTUAL in terms and report.COUNTERFACTUAL_STEPS in terms   # both kinds defined
+    assert "dense-equivalent" in terms and "recalibrated" in terms and "byte ledger" in terms
+    comm = made["drawn"]["communication"]
+    legend = _legend_texts(comm)
+    # two kinds of counterfactual in one legend entry (prunex's rounds, an unknown method's): the generic label
+    assert f"{report.COUNTERFACTUAL_ANY}\n(never sent)" in legend and any(t.startswith("measured") for t in legend)
+    assert _bar_notes(comm) == ["1 MB\n0.250× counterfactual", "12 MB\n1.000× counterfactual"]   # to their own
+    # and over each hatched bar what it counts, the kinds differing
+    assert [t.get_text() for t in comm.axes[0].texts if t.get_fontweight() != "bold"] == [
+        "these rounds\nsent dense", "a dense exchange"]
+    curves = _legend_texts(made["drawn"]["accuracy_vs_inter_bytes"])
+    # prunex's, dashed; the baseline's counterfactual is its measured curve: not drawn twice
+    assert [t for t in curves if "counterfactual" in t] == [f"{report.COUNTERFACTUAL}\n(in its run's colour)"]
+
+
+def test_every_figure_has_a_caption(made):
+    lines = Path(made["table"]).read_text().splitlines()
+    for key, path in made["figures"].items():
+        at = lines.index(next(line for line in lines if line.endswith(f"]({Path(path).name})")))
+        caption = lines[at + 2]
+        assert caption.startswith("*") and caption.endswith("*") and len(caption) > 40, (key, caption)
+        if key in report.FIGURES:
+            assert caption == f"*{report.FIGURES[key][1]}*"
+
+
+def test_loss_figure_draws_test_and_training_loss(made):
+    assert _valid_png(made["figures"]["loss_vs_epoch"]) and "loss_vs_epoch.png" in Path(made["table"]).read_text()
+    fig = made["drawn"]["loss_vs_epoch"]
+    # prunex: test (solid) and training (dashed); the baseline recorded training loss only
+    assert sorted(line.get_linestyle() for line in fig.axes[0].get_lines()) == ["-", "--", "--"]
+    assert _legend_texts(fig) == ["prunex", "baseline", "test loss (solid)", "training loss (dashed)"]
+
+
+def test_legends_never_cover_an_axes(made, with_dense):
+    drawn = list(made["drawn"].items()) + list(with_dense["drawn"].items())
+    assert {"residuals", "density_per_layer", "communication", "loss_vs_epoch"} <= {k for k, _ in drawn}
+    for key, fig in drawn:
+        legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + list(fig.legends)
+        for legend in legends:
+            box = legend.get_window_extent()
+            for ax in fig.axes:
+                assert not box.overlaps(ax.get_window_extent()), key
+
+
+def test_residual_legend_names_the_layers(made):
+    fig = made["drawn"]["residuals"]
+    legend = fig.axes[-1].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["conv1", "conv2", "conv3"]
+    assert "all 3" in legend.get_title().get_text()
+    lines = fig.axes[0].get_lines()
+    assert len({(str(line.get_color()), line.get_linestyle()) for line in lines}) == 3   # told apart
+
+
+def test_residuals_of_many_layers_show_ten_spread_over_depth(tmp_path, monkeypatch):
+    names = [f"layer{i}.conv.weight" for i in range(20)]
+    d = tmp_path / "deep"
+    d.mkdir()
+    _write_jsonl(d / "metrics.jsonl", [
+        {"event": "round", "round": r, "epoch": float(r), "test_acc": 0.5, "layer_density": {n: 0.5 for n in names},
+         "residuals": {n: {"r_intra": 0.1 / r / (j + 1), "r_inter": 0.05 / r} for j, n in enumerate(names)}}
+        for r in (1, 2, 3)])
+    figs = {}
+    monkeypatch.setattr(report, "_save", _keeping_figures(figs))
+    report._fig_residuals([report.load_run(d)], tmp_path / "residuals.png")
+    legend = figs["residuals"].axes[-1].get_legend()
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert len(labels) == 10 and labels[0] == "layer0.conv" and labels[-1] == "layer19.conv"
+    assert "10 of 20, spread over depth" in legend.get_title().get_text()
+    assert len(figs["residuals"].axes[0].get_lines()) == 10
+
+
+def test_counterfactual_label_says_what_was_counted():
+    def run(method):
+        return {"summary": {"method": method}, "final": None, "metrics": [], "config": None}
+    assert report.COUNTERFACTUAL == "counterfactual: these rounds sent dense"
+    assert report.counterfactual_label(run("prunex")) == report.COUNTERFACTUAL
+    assert report.counterfactual_label(run("prunex-flat")) == report.COUNTERFACTUAL
+    for baseline in ("localsgd", "topk", "diloco", "pactrain"):   # dense_inter_bytes: a dense allreduce each step
+        assert report.counterfactual_label(run(baseline)) == report.COUNTERFACTUAL_STEPS
+    assert report.counterfactual_label(run("something-else")) == report.COUNTERFACTUAL_ANY
