@@ -7,6 +7,7 @@ topology. Structured pruning that shrinks what crosses the inter-node links.
 """
 import logging
 
+from . import elastic
 from .batchnorm import recalibrate_batchnorm
 from .dist import comm
 from .dist.runtime import init, is_initialized, shutdown, topology
@@ -20,5 +21,5 @@ from .optimizer import DistributedOptimizer
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
-__all__ = ["ConsensusConfig", "DistributedOptimizer", "Topology", "TopologyError", "comm", "init", "is_initialized",
+__all__ = ["ConsensusConfig", "DistributedOptimizer", "Topology", "TopologyError", "comm", "elastic", "init", "is_initialized",
            "recalibrate_batchnorm", "shutdown", "sparsity", "topology"]

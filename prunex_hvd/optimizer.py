@@ -26,6 +26,7 @@ This module also holds what every wrapper shares (PruneX's and the baselines'): 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import logging
@@ -39,6 +40,7 @@ from .dist import agreement, runtime
 from .dist.comm import groups as comm_groups
 from .dist.comm.base import Groups, SingleCommunicator
 from .engine.config import ConsensusConfig, Structure, check_bucket_mb, round_pull_cap
+from .engine import joining
 from .engine.hsadmm import HSADMM
 from .engine.sparsity import own_channel_layers, stages_removing_nothing
 
@@ -50,17 +52,64 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, model, config: ConsensusConfig, structure: Structure):
         super(self.__class__, self).__init__(params)
-        topo = runtime.topology()
         self._local_steps = config.local_steps
         self._step_count_local = 0
         self._synchronized = False   # synchronize() averaged this step's gradients over the node already
-        groups = comm_groups(config.backend)
-        if not config.hierarchical:   # PruneX (AR): one consensus group over the world, no leaders' tier
+        self._model, self._config, self._structure = model, config, structure
+        self._last_report: Optional[dict] = None
+        # elastic (prunex_hvd.elastic): the engine is made over the nodes as prunex_hvd.elastic.State.sync() forms them
+        self._hsadmm = None if runtime.elastic_launch() else HSADMM(model, *self._job(), config, structure)
+
+    def _job(self) -> tuple:
+        """The topology and groups the engine runs over (PruneX (AR): one consensus group over the world)."""
+        topo, groups = runtime.topology(), comm_groups(self._config.backend)
+        if not self._config.hierarchical:
             topo, groups = topo.flattened(), Groups(
                 world=groups.world, intra=groups.world, backend=groups.backend,
                 inter=SingleCommunicator("inter", [topo.rank], [topo.node], 0) if topo.rank == 0 else None)
-        self._engine = HSADMM(model, topo, groups, config, structure)
-        self._last_report: Optional[dict] = None
+        return topo, groups
+
+    @property
+    def _engine(self) -> HSADMM:
+        if self._hsadmm is None:
+            raise RuntimeError("under horovodrun's elastic mode the optimizer trains inside a function decorated "
+                               "with @prunex_hvd.elastic.run, whose State forms the nodes first")
+        return self._hsadmm
+
+    # -- elastic (prunex_hvd.elastic): no communication but in _elastic_form ---------------------------------
+    def _elastic_form(self, anyone_holds: bool, steps: int) -> dict:
+        """Collective, on the nodes the runtime has just formed. A fresh job builds the engine (rank 0's model
+        broadcast); a rank with a state goes on from it over the new nodes; a joining rank builds its engine from
+        its model and takes the job's state and step count (``steps``, the holders')."""
+        topo, groups = self._job()
+        if not anyone_holds:
+            self._hsadmm = HSADMM(self._model, topo, groups, self._config, self._structure)
+            return {"joined": [], "round": 0}
+        if self._hsadmm is not None:
+            joining.reform(self._hsadmm, topo, groups)
+            return joining.welcome(self._hsadmm, joined=False)
+        engine = joining.joiner(HSADMM, self._model, topo, groups, self._config, self._structure)
+        report = joining.welcome(engine, joined=True)
+        self.state.clear()   # a joiner's momentum starts at zero, as its duals do
+        self._hsadmm, self._step_count_local = engine, int(steps)
+        return report
+
+    def _elastic_release(self) -> None:
+        """Drop the engine's groups before the nodes change."""
+        if self._hsadmm is not None:
+            joining.release(self._hsadmm)
+
+    def _elastic_snapshot(self) -> dict:
+        """This rank's optimizer and engine state, copied in memory (no communication)."""
+        return copy.deepcopy({"optimizer": super(self.__class__, self).state_dict(),
+                              "engine": self._engine.state_dict(), "steps": self._step_count_local})
+
+    def _elastic_restore(self, snapshot: dict) -> None:
+        """Back to :meth:`_elastic_snapshot` (no communication; load the model's state first)."""
+        snapshot = copy.deepcopy(snapshot)
+        super(self.__class__, self).load_state_dict(snapshot["optimizer"])
+        self._engine.load_state_dict(snapshot["engine"])
+        self._step_count_local = snapshot["steps"]
 
     # torch.amp.GradScaler then calls step() on every iteration, inf or not, with ``grad_scale`` / ``found_inf``
     # set on the optimizer: a rank skipping a step must still count it, or the ranks' rounds drift apart
@@ -275,12 +324,32 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
         return (made, structure), made.agreement(structure)
     derived = knobs.get("rho_max", (config if isinstance(config, ConsensusConfig) else ConsensusConfig()).rho_max) \
         == "auto"
-    config, structure = agreement.checked_construction("prunex_hvd.DistributedOptimizer", backend, model, checks)
-    if runtime.topology().rank == 0:   # every rank resolved the same specs and knobs: say it once
+    if runtime.elastic_launch():   # nothing talks before prunex_hvd.elastic.run forms the nodes
+        config, structure = checks()[0]
+        elastic_refusal(config)
+        rank = runtime.launcher_rank()
+    else:
+        config, structure = agreement.checked_construction("prunex_hvd.DistributedOptimizer", backend, model, checks)
+        rank = runtime.topology().rank
+    if rank == 0:   # every rank resolved the same specs and knobs: say it once
         warn_stages_removing_nothing(model, structure.specs)
         warn_outside_the_budget(config, structure)
         say(what_the_recipe_took(optimizer, config, derived))
     return mix_into(optimizer, _DistributedOptimizer, model, config, structure)
+
+
+def elastic_refusal(config: ConsensusConfig) -> None:
+    """What elastic training does not run, refused by name (the same on every rank: raised before talking)."""
+    if config.overlap:
+        raise ValueError("overlap=True under elastic training: a node lost with a round in flight would take the "
+                         "round with it; train elastic without overlap")
+    if config.rack_tier and runtime.requested_racks():
+        raise ValueError("racks (nodes_per_rack) under elastic training: a lost node would leave its rack short; "
+                         "train elastic on two tiers")
+    if config.backend in ("horovod", "mpi"):
+        raise ValueError(f"backend={config.backend!r} under elastic training: Horovod's process sets cannot "
+                         "outlive a lost rank and MPI has no fault tolerance; use backend='auto' (Gloo on CPU, "
+                         "NCCL on GPUs), which elastic training re-forms over the nodes left")
 
 
 def lr_and_momentum(optimizer: torch.optim.Optimizer) -> tuple:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 from typing import Optional, Tuple
 
 from . import comm, watchdog
@@ -13,6 +14,7 @@ _topology: Optional[Topology] = None
 _control: Optional[Control] = None
 _backend: Optional[str] = None
 _args: Optional[tuple] = None
+_forming = False   # prunex_hvd.elastic is forming the nodes (init() is refused otherwise under elastic horovodrun)
 
 
 def init(backend: str = "auto", ranks_per_node: Optional[int] = None, timeout: Optional[float] = None,
@@ -33,6 +35,11 @@ def init(backend: str = "auto", ranks_per_node: Optional[int] = None, timeout: O
     different sizes, ranks that disagree about the override) raises the same error on every rank."""
     global _topology, _control, _backend, _args
     comm.check_backend_name(backend)  # same answer on every rank: safe to raise before talking
+    if elastic_launch() and not _forming:
+        raise RuntimeError("under horovodrun's elastic mode (--host-discovery-script) the nodes are formed inside "
+                           "a function decorated with @prunex_hvd.elastic.run, and again whenever they change: "
+                           "build the model and the DistributedOptimizer without prunex_hvd.init(), then call "
+                           "that function with a prunex_hvd.elastic.State")
     if _topology is not None:
         if _args == (backend, ranks_per_node, timeout, nodes_per_rack):
             return _topology
@@ -58,6 +65,50 @@ def init(backend: str = "auto", ranks_per_node: Optional[int] = None, timeout: O
         raise
     atexit.register(_close_torch_distributed)
     return topo
+
+
+def elastic_launch() -> bool:
+    """Started by ``horovodrun`` in elastic mode (``--host-discovery-script`` / ``--min-np``)."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher numbers it now (before :func:`init`: for saying things once)."""
+    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def requested_racks() -> bool:
+    """Whether racks were asked for (``PRUNEX_NODES_PER_RACK``)."""
+    return requested_nodes_per_rack(None) is not None
+
+
+def form(backend: str = "auto", timeout: Optional[float] = None) -> Topology:
+    """Elastic training: (re)discover the nodes over the processes Horovod has now and build ``backend``'s groups
+    (collective over them). No watchdog: a lost rank is Horovod's and Gloo's to report, and a collective that
+    outlasts ``timeout`` (or env ``PRUNEX_TIMEOUT_S``) fails, which counts as a loss."""
+    global _forming
+    shutdown()
+    _close_torch_distributed()
+    watchdog.set_collective_timeout(watchdog.timeout_s(timeout))
+    _forming = True
+    try:
+        return init(backend, timeout=0)
+    finally:
+        _forming = False
+
+
+def release() -> None:
+    """Elastic training, before a change of nodes: forget the topology and take torch.distributed's groups down,
+    which closes their connections, so a peer blocked on this rank fails now (the caller drops its own
+    references to the groups first)."""
+    import gc
+    shutdown()
+    gc.collect()
+    _close_torch_distributed()
+    gc.collect()
 
 
 def finish() -> None:

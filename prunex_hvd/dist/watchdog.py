@@ -35,6 +35,7 @@ DEFAULT_TIMEOUT_S = 600.0
 EXIT_CODE = 75   # EX_TEMPFAIL: try again (resume from the last checkpoint)
 
 _current: Optional["Watchdog"] = None
+_collective_timeout: Optional[float] = None   # set_collective_timeout()
 
 
 def timeout_s(value=None) -> float:
@@ -55,9 +56,18 @@ def timeout_s(value=None) -> float:
 def default_timeout() -> timedelta:
     """How long a torch.distributed collective may wait for a peer before failing: past the watchdog's timeout
     (env ``PRUNEX_TIMEOUT_S``), so the watchdog, which names the missing rank, speaks first; 30 min without it."""
+    if _collective_timeout is not None:
+        return timedelta(seconds=_collective_timeout)
     wd = current()
     seconds = timeout_s(wd.timeout if wd else None)
     return timedelta(seconds=1.5 * seconds + 30 if seconds else 1800)
+
+
+def set_collective_timeout(seconds: Optional[float]) -> None:
+    """Elastic training runs no watchdog: a torch.distributed collective itself fails after ``seconds`` (a stalled
+    peer is then a lost one). ``None``: :func:`default_timeout`'s rule again."""
+    global _collective_timeout
+    _collective_timeout = seconds or None
 
 
 def current() -> Optional["Watchdog"]:

@@ -76,6 +76,19 @@ class Exchange:
             for k, t in enumerate(tensors):
                 t.copy_(layout.views[k].view_as(t))
 
+    # -- a change of nodes (:mod:`.joining`) -------------------------------------------------------------------
+    def job_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's small ``row``, stacked in rank order (over the world group: once per change of nodes)."""
+        with self.ledger.tagged("welcome"):
+            rows = self.groups.world.allgather(row.to(self.state.device), same_shape=True)
+        return torch.stack([r.cpu() for r in rows])
+
+    def from_rank_(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """``tensor`` as world rank ``rank`` holds it, on every rank, in place (over the world group)."""
+        world = self.groups.world
+        with self.ledger.tagged("welcome"):
+            return world.broadcast_(tensor, root=list(world.ranks).index(rank))
+
     # -- within the node ------------------------------------------------------------------------------------
     def node_sum_(self, tensor: torch.Tensor) -> None:
         self.groups.intra.allreduce_(tensor, "sum")

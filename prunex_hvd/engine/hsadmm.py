@@ -58,24 +58,31 @@ class HSADMM:
         if config.rho_max == "auto":
             raise ValueError("rho_max='auto' is derived from the optimizer's lr and momentum, which the engine does "
                              "not see: pass config.with_rho_max_from(lr, momentum), or a number")
-        self.config, structure = config, structure or Structure.resolve(model, config)
-        self.state = ConsensusState(model, topo, config, structure)
+        self.config, self.structure = config, structure or Structure.resolve(model, config)
+        self.model, self._ledger = model, ledger
+        self.build(topo, groups, broadcast=True)                    # every rank starts from rank 0's model
+        if config.freeze_round == 0:   # masks chosen at the start: every round trains the pruned model
+            self.steps.start_frozen()
+        else:
+            self.steps.refresh_prox()
+
+    def build(self, topo, groups, broadcast: bool) -> None:
+        """The state from θ and the components over ``groups`` (``broadcast``: rank 0's θ first; a change of nodes
+        builds without it, :mod:`.joining`)."""
+        self.state = ConsensusState(self.model, topo, self.config, self.structure)
         tiers = RackExchange if self.state.rack_tier else Exchange   # (the racks refuse what they cannot run)
-        self.exchange = tiers(self.state, groups, ledger)
-        self.exchange.broadcast_model()                              # every rank starts from rank 0's model
+        self.exchange = tiers(self.state, groups, self._ledger)
+        if broadcast:
+            self.exchange.broadcast_model()
         self.state.start()
         self.codec = PayloadCodec(self.state)
-        self.masks = MaskPolicy(self.state, structure, self.exchange)
+        self.masks = MaskPolicy(self.state, self.structure, self.exchange)
         self.traffic = Traffic(self.state, self.exchange)
         self.verdict = Verdict(self.state, self.exchange)
         self.guard = NodeGuard(self.state, self.exchange, self.traffic)
-        self.steps = StepHooks(self.state, model, self.masks, self.exchange, self.guard, self.traffic)
+        self.steps = StepHooks(self.state, self.model, self.masks, self.exchange, self.guard, self.traffic)
         self.overlap = OverlappedRounds(self)
         self.steps.set_compact_compute(afresh=True)   # layers an earlier engine left compact are made plain
-        if config.freeze_round == 0:   # masks chosen at the start: every round trains the pruned model
-            self._freeze_at_start()
-        else:
-            self.steps.refresh_prox()
 
     # -- what the wrapper and the trainer read ------------------------------------------------------------
     topo = property(lambda self: self.state.topo)
@@ -170,20 +177,6 @@ class HSADMM:
             self.steps.forget_layout()
             self.steps.refresh_prox()
             self.masks.say_frozen()
-
-    def _freeze_at_start(self) -> None:
-        """``freeze_round=0``: the masks are Π_S's support on the start point θ0 (the same on every rank after the
-        broadcast; rank 0's choice handed down), frozen before any step; z = z_i = θ = Π_S(θ0), the duals at 0, ρ
-        as configured (docs/algorithm.md, "Masks chosen at the start")."""
-        self.masks.freeze()
-        self.steps.forget_layout()
-        self.masks.say_frozen()
-        with torch.no_grad():
-            for e in self.structured:
-                e.z_i = e.z.clone()
-                e.param.copy_(e.z)
-        self.steps.refresh_prox()
-        self.steps.set_compact_compute()
 
     def complete(self) -> None:
         """Fold in the round in flight now (``overlap``; collective), so z, the duals and ρ are every round's."""

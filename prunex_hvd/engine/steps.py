@@ -177,3 +177,17 @@ class StepHooks:
             else:
                 compact_compute.compute_in_full(layer)
         self.computing_compact = on
+
+    def start_frozen(self) -> None:
+        """``freeze_round=0``: the masks are Π_S's support on the start point θ0 (the same on every rank after the
+        broadcast; rank 0's choice handed down), frozen before any step; z = z_i = θ = Π_S(θ0), the duals at 0, ρ
+        as configured (docs/algorithm.md, "Masks chosen at the start")."""
+        self.masks.freeze()
+        self.forget_layout()
+        self.masks.say_frozen()
+        with torch.no_grad():
+            for e in self.state.structured:
+                e.z_i = e.z.clone()
+                e.param.copy_(e.z)
+        self.refresh_prox()
+        self.set_compact_compute()

@@ -1,0 +1,268 @@
+"""Elastic training: lose a node and keep training, from memory; a node that comes back (or a new one) joins at the
+next round. Built on Horovod Elastic (``horovodrun --host-discovery-script``, its state objects and notifications).
+
+    state = px.elastic.State(model, opt, epoch=0, batch=0)
+
+    @px.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            for state.batch, (x, y) in enumerate(batches(state.epoch, start=state.batch), state.batch):
+                ...; opt.step()
+                if opt.rounds_done() > state.rounds: state.rounds = opt.rounds_done(); state.commit()
+            state.batch = 0
+
+    train(state)
+
+launched as ``horovodrun -np 8 --min-np 4 --max-np 8 --host-discovery-script ./hosts.sh python train.py``.
+
+What happens (docs/reliability.md, "Elastic training"; the math in docs/algorithm.md, "Nodes lost and joined"):
+
+1. ``state.commit()`` copies this rank's model, optimizer and engine state and the values given to :class:`State`
+   into memory (every round, say), and raises Horovod's ``HostsUpdatedInterrupt`` if hosts were added.
+2. A rank of another node dies, or stalls past the timeout: a collective fails on the survivors (Horovod's
+   ``HorovodInternalError`` or torch.distributed's ``DistBackendError``). Each survivor goes back to its last
+   commit. Horovod drops the failed host whole (all its ranks).
+3. Horovod forms the new world; :meth:`State.sync` finds the nodes again, builds the groups over them and goes on:
+   a survivor keeps its own state (θ, u, its node's z_i and v_i, z, ρ, the masks, the round); the lost node's
+   duals left with it, and the next round's consensus is the mean over the nodes that remain. A joining rank takes
+   z (on its support), the masks, ρ, the round, the step count and the values from the lowest surviving rank,
+   with zero duals and zero momentum.
+4. The decorated function is called again: its loop goes on from the values as committed.
+
+Outside an elastic launch (``mpirun``, a plain ``horovodrun``, ``torchrun``) :func:`run` calls the function once:
+MPI has no fault tolerance, so a lost rank ends the job as it always does (named by the watchdog), and
+``--resume`` from the last checkpoint is the way back.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from .dist import runtime
+from .optimizer import say
+
+__all__ = ["State", "run", "NodesChanged"]
+
+
+def _hvd():
+    import horovod.torch as hvd
+    return hvd
+
+
+class NodesChanged(RuntimeError):
+    """A collective failed because a peer is gone (raised by :func:`lost`)."""
+
+
+def _lost_errors() -> tuple:
+    """The exceptions that mean a peer is gone: Horovod's, torch.distributed's, ours."""
+    errors: List[type] = [NodesChanged]
+    try:
+        from horovod.common.exceptions import HorovodInternalError
+        errors.append(HorovodInternalError)
+    except ImportError:
+        pass
+    import torch.distributed as dist
+    if hasattr(dist, "DistBackendError"):
+        errors.append(dist.DistBackendError)
+    return tuple(errors)
+
+
+def _is_peer_failure(exc: BaseException) -> bool:
+    """A torch.distributed Gloo error about a peer (older torch raises them as plain ``RuntimeError``)."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in (
+        "Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Broken pipe",
+        "Socket Timeout", "connection refused", "Gloo", "gloo"))
+
+
+class State:
+    """What a rank keeps across a change of nodes: the ``model``, the wrapped ``optimizer`` (engine included) and
+    the values given as keywords (counters such as ``epoch`` and ``batch``, or objects with ``state_dict()`` such
+    as an lr scheduler), attributes of the state.
+
+    ``commit()`` copies them into memory; a lost node sends every survivor back to its last commit. Commit once a
+    round (a round's work is what a loss costs at most): ``opt.rounds_done()`` says when one has passed.
+    ``register_reset_callbacks([fn])``: ``fn()`` runs after every change of nodes, before the state is synced (to
+    re-shard data by ``hvd.size()`` / ``hvd.rank()``). ``changes`` lists every change seen, as dicts. Fewer nodes
+    than ``min_nodes`` left stops the job with a ``ValueError`` on every rank."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, min_nodes: int = 1, **values: Any):
+        if not hasattr(optimizer, "_elastic_form"):
+            raise ValueError("prunex_hvd.elastic.State takes the optimizer prunex_hvd.DistributedOptimizer returned "
+                             f"(PruneX), got {type(optimizer).__name__}")
+        if runtime.elastic_launch() and not _hvd().is_initialized():
+            _hvd().init()   # joins Horovod's rendezvous; the nodes are formed in sync()
+        if not isinstance(min_nodes, int) or isinstance(min_nodes, bool) or min_nodes < 1:
+            raise ValueError(f"min_nodes must be an integer >= 1, got {min_nodes!r}")
+        self.model, self.optimizer, self.min_nodes = model, optimizer, min_nodes
+        self._names = list(values)
+        for name, value in values.items():
+            setattr(self, name, value)
+        self._saved: Optional[dict] = None
+        self._reset_callbacks: List[Callable[[], None]] = []
+        self._host_messages = None
+        self._last_updated_timestamp = 0
+        self.changes: List[Dict[str, Any]] = []
+        self._lost_at: Optional[float] = None   # when this rank last saw a collective fail
+
+    # -- Horovod's State protocol (horovod.common.elastic.State) ------------------------------------------
+    def register_reset_callbacks(self, callbacks: List[Callable[[], None]]) -> None:
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        import queue
+        self._host_messages = queue.Queue()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def on_hosts_updated(self, timestamp, update_res) -> None:
+        if self._host_messages is not None:
+            self._host_messages.put((timestamp, update_res))
+
+    def commit(self) -> None:
+        """Copy the state into memory, then check whether hosts were added (Horovod's ``HostsUpdatedInterrupt``:
+        the decorated function is left and entered again over the new nodes). Collective under elastic."""
+        self.save()
+        if runtime.elastic_launch():
+            self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        from horovod.common.exceptions import HostsUpdatedInterrupt
+        from horovod.runner.elastic.worker import HostUpdateResult
+        last = prev = self._last_updated_timestamp
+        update = HostUpdateResult.no_update
+        while self._host_messages is not None and not self._host_messages.empty():
+            timestamp, result = self._host_messages.get()
+            if timestamp > last:
+                last, update = timestamp, update | result
+        control = runtime.state()[1]
+        prev, self._last_updated_timestamp, update = control.broadcast_object((prev, last, update))
+        if self._last_updated_timestamp > prev:
+            raise HostsUpdatedInterrupt(update == HostUpdateResult.removed)
+
+    def save(self) -> None:
+        """This rank's model, optimizer (and engine) and values, copied in memory; no communication."""
+        self._saved = {"model": copy.deepcopy(self.model.state_dict()),
+                       "optimizer": self.optimizer._elastic_snapshot(),
+                       "values": {n: self._value(n) for n in self._names}}
+
+    def restore(self) -> None:
+        """Back to the last :meth:`save`; no communication. A rank that never saved keeps what it has."""
+        if self._saved is None:
+            return
+        saved = self._saved
+        self.model.load_state_dict(saved["model"])
+        self.optimizer._elastic_restore(saved["optimizer"])
+        for name, value in saved["values"].items():
+            self._set_value(name, copy.deepcopy(value))
+
+    def sync(self) -> dict:
+        """Collective over the processes Horovod has now: form the nodes and their groups, go on from memory
+        where a rank has a state, hand the job's state to the ranks that join, then :meth:`save`. Returns (and
+        appends to :attr:`changes`) what changed."""
+        topo = runtime.form(self.optimizer._config.backend)
+        self.check_nodes(topo)
+        control = runtime.state()[1]
+        holds = self.optimizer._hsadmm is not None
+        rows = control.allgather_object((holds, self.optimizer._step_count_local if holds else None))
+        holders = [r for r, (h, _) in enumerate(rows) if h]
+        root = holders[0] if holders else 0
+        report = self.optimizer._elastic_form(bool(holders), rows[root][1] or 0)
+        values = control.broadcast_object({n: self._value(n) for n in self._names}, root=root)
+        if not holds and holders:   # a joining rank takes the job's values
+            for name, value in values.items():
+                self._set_value(name, value)
+        change = {"nodes": topo.num_nodes, "ranks": topo.size, "round": self.optimizer.rounds_done(),
+                  "joined": report.get("joined", []), "fresh": not holders,
+                  "lost_s": None if self._lost_at is None else time.perf_counter() - self._lost_at}
+        self.changes.append(change)
+        if topo.rank == 0 and (holders and (report.get("joined") or self.changes[:-1])):
+            say(f"elastic: going on over {topo.num_nodes} node(s), {topo.size} rank(s), at round {change['round']}"
+                + (f"; rank(s) {','.join(map(str, report['joined']))} joined" if report.get("joined") else ""))
+        self._lost_at = None
+        self.save()
+        return change
+
+    def reset(self) -> None:
+        pass
+
+    def check_nodes(self, topo) -> None:
+        """Refuse to go on over fewer than ``min_nodes`` nodes (the same answer on every rank: every rank has the
+        same topology)."""
+        if topo.num_nodes < self.min_nodes:
+            raise ValueError(f"elastic: {topo.num_nodes} node(s) left ({topo.size} rank(s)), fewer than "
+                             f"min_nodes={self.min_nodes}: the job stops here; bring nodes back and resume from the "
+                             "last checkpoint")
+
+    # -- the values -------------------------------------------------------------------------------------------
+    def _value(self, name: str) -> Any:
+        value = getattr(self, name)
+        return copy.deepcopy(value.state_dict() if hasattr(value, "state_dict") else value)
+
+    def _set_value(self, name: str, value: Any) -> None:
+        current = getattr(self, name)
+        if hasattr(current, "load_state_dict"):
+            current.load_state_dict(value)
+        else:
+            setattr(self, name, value)
+
+
+def _reset(state: "State") -> None:
+    """Our groups down first, so that a peer still waiting on this rank in one of them fails at once rather than
+    at the timeout; then Horovod down and up again (its rendezvous forms the new world)."""
+    state.optimizer._elastic_release()
+    runtime.release()
+    hvd = _hvd()
+    hvd.shutdown()
+    hvd.init()
+
+
+def run(func: Callable) -> Callable:
+    """Decorate the training function ``func(state, ...)``: under horovodrun's elastic mode it is called again
+    over the nodes left (or grown) whenever they change, from the state as last committed; elsewhere it is called
+    once (fail-fast: a lost rank ends the job)."""
+    @functools.wraps(func)
+    def wrapper(state: State, *args, **kwargs):
+        if not isinstance(state, State):
+            raise ValueError(f"@prunex_hvd.elastic.run: the first argument must be a prunex_hvd.elastic.State, "
+                             f"got {type(state).__name__}")
+        if not runtime.elastic_launch():
+            if runtime.launcher_rank() == 0:
+                say("elastic: not under horovodrun's elastic mode (--host-discovery-script): a lost rank ends the "
+                    "job; relaunch with --resume")
+            if not runtime.is_initialized():
+                runtime.init(state.optimizer._config.backend)
+            state.check_nodes(runtime.topology())
+            if state.optimizer._hsadmm is None:
+                state.optimizer._elastic_form(False, 0)
+            state.save()
+            return func(state, *args, **kwargs)
+        from horovod.common.elastic import notification_manager
+        from horovod.common.exceptions import HostsUpdatedInterrupt
+        lost = _lost_errors()
+        notification_manager.init()
+        notification_manager.register_listener(state)
+        try:
+            while True:
+                try:
+                    state.sync()
+                    return func(state, *args, **kwargs)
+                except lost:
+                    state._lost_at = time.perf_counter()
+                    state.restore()
+                except HostsUpdatedInterrupt:
+                    pass
+                except RuntimeError as exc:
+                    if not _is_peer_failure(exc):
+                        raise
+                    state._lost_at = time.perf_counter()
+                    state.restore()
+                _reset(state)
+                state.on_reset()
+        finally:
+            notification_manager.remove_listener(state)
+    return wrapper
