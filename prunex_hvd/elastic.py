@@ -45,7 +45,7 @@ import torch
 from .dist import runtime
 from .optimizer import say
 
-__all__ = ["State", "run", "NodesChanged"]
+__all__ = ["State", "run", "join_rendezvous"]
 
 
 def _hvd():
@@ -53,13 +53,9 @@ def _hvd():
     return hvd
 
 
-class NodesChanged(RuntimeError):
-    """A collective failed because a peer is gone (raised by :func:`lost`)."""
-
-
 def _lost_errors() -> tuple:
-    """The exceptions that mean a peer is gone: Horovod's, torch.distributed's, ours."""
-    errors: List[type] = [NodesChanged]
+    """The exceptions that mean a peer is gone: Horovod's and torch.distributed's."""
+    errors: List[type] = []
     try:
         from horovod.common.exceptions import HorovodInternalError
         errors.append(HorovodInternalError)
@@ -76,7 +72,7 @@ def _is_peer_failure(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(s in text for s in (
         "Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Broken pipe",
-        "Socket Timeout", "connection refused", "Gloo", "gloo"))
+        "Socket Timeout", "Connection refused"))
 
 
 class State:
@@ -94,8 +90,7 @@ class State:
         if not hasattr(optimizer, "_elastic_form"):
             raise ValueError("prunex_hvd.elastic.State takes the optimizer prunex_hvd.DistributedOptimizer returned "
                              f"(PruneX), got {type(optimizer).__name__}")
-        if runtime.elastic_launch() and not _hvd().is_initialized():
-            _hvd().init()   # joins Horovod's rendezvous; the nodes are formed in sync()
+        join_rendezvous()
         if not isinstance(min_nodes, int) or isinstance(min_nodes, bool) or min_nodes < 1:
             raise ValueError(f"min_nodes must be an integer >= 1, got {min_nodes!r}")
         self.model, self.optimizer, self.min_nodes = model, optimizer, min_nodes
@@ -103,6 +98,7 @@ class State:
         for name, value in values.items():
             setattr(self, name, value)
         self._saved: Optional[dict] = None
+        self._previous: Optional[dict] = None   # the commit before: a rank whose last commit is a round ahead
         self._reset_callbacks: List[Callable[[], None]] = []
         self._host_messages = None
         self._last_updated_timestamp = 0
@@ -146,12 +142,16 @@ class State:
 
     def save(self) -> None:
         """This rank's model, optimizer (and engine) and values, copied in memory; no communication."""
+        self._previous = self._saved
         self._saved = {"model": copy.deepcopy(self.model.state_dict()),
                        "optimizer": self.optimizer._elastic_snapshot(),
                        "values": {n: self._value(n) for n in self._names}}
 
-    def restore(self) -> None:
-        """Back to the last :meth:`save`; no communication. A rank that never saved keeps what it has."""
+    def restore(self, previous: bool = False) -> None:
+        """Back to the last :meth:`save` (``previous``: the one before it); no communication. A rank that never
+        saved keeps what it has."""
+        if previous:
+            self._saved, self._previous = self._previous, None
         if self._saved is None:
             return
         saved = self._saved
@@ -168,6 +168,13 @@ class State:
         self.check_nodes(topo)
         control = runtime.state()[1]
         holds = self.optimizer._hsadmm is not None
+        rows = control.allgather_object((holds, self.optimizer.rounds_done() if holds else None))
+        rounds = sorted({r for h, r in rows if h})
+        # a failure can strike between one rank's commit of a round and another's: the ranks a round ahead go
+        # back to their commit before, so every holder is at the same round
+        if len(rounds) == 2 and rounds[1] == rounds[0] + 1 and holds and self.optimizer.rounds_done() == rounds[1] \
+                and self._previous is not None:
+            self.restore(previous=True)
         rows = control.allgather_object((holds, self.optimizer._step_count_local if holds else None))
         holders = [r for r, (h, _) in enumerate(rows) if h]
         root = holders[0] if holders else 0
@@ -211,6 +218,13 @@ class State:
             setattr(self, name, value)
 
 
+def join_rendezvous() -> None:
+    """Under horovodrun's elastic mode, enter Horovod's rendezvous now (the nodes are formed later, in
+    :meth:`State.sync`). A joining process should do it first: the ranks already training wait for it there."""
+    if runtime.elastic_launch() and not _hvd().is_initialized():
+        _hvd().init()
+
+
 def _reset(state: "State") -> None:
     """Our groups down first, so that a peer still waiting on this rank in one of them fails at once rather than
     at the timeout; then Horovod down and up again (its rendezvous forms the new world)."""
@@ -239,6 +253,9 @@ def run(func: Callable) -> Callable:
             state.check_nodes(runtime.topology())
             if state.optimizer._hsadmm is None:
                 state.optimizer._elastic_form(False, 0)
+            topo = runtime.topology()
+            state.changes.append({"nodes": topo.num_nodes, "ranks": topo.size, "round": state.optimizer.rounds_done(),
+                                  "joined": [], "fresh": True, "lost_s": None})
             state.save()
             return func(state, *args, **kwargs)
         from horovod.common.elastic import notification_manager

@@ -73,7 +73,11 @@ def _train(args) -> int:
     from prunex_hvd.app import train
 
     cfg = _train_config(args)
-    summary = train.train(cfg)
+    if cfg.elastic:
+        from prunex_hvd.app.elastic_train import train_elastic
+        summary = train_elastic(cfg)
+    else:
+        summary = train.train(cfg)
     if "stopped_after_round" in summary or train.runtime.topology().rank != 0:
         return 0
     print(f"final test accuracy {100 * summary['final_test_acc']:.2f}% (the finalized model)   "
@@ -160,6 +164,8 @@ def _train_config(args):
 
     flat = dict(args.file_settings)
     flat.update({k: v for k, v in vars(args).items() if k in _flat_names() and k in args.given})
+    if isinstance(flat.get("elastic"), int) and not isinstance(flat["elastic"], bool):   # --elastic [MIN_NODES]
+        flat["min_nodes"], flat["elastic"] = flat["elastic"], True
     flat.setdefault("method", args.method)
     if args.command == "train":   # (compare runs several methods: each reads the settings that apply to it)
         for name in sorted(args.given):
@@ -377,6 +383,11 @@ def _add_train_args(p: argparse.ArgumentParser, one_method: bool = True) -> None
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     g.add_argument("--stop-after-rounds", type=int, default=None,
                    help="run this many rounds, checkpoint and stop (time-boxed slices of one schedule)")
+    g.add_argument("--elastic", nargs="?", type=_positive_int, const=D.min_nodes, default=None, metavar="MIN_NODES",
+                   help="under horovodrun's elastic mode (--host-discovery-script) a lost node costs the round in "
+                        "progress, not the job, and a node that comes back joins at the next round; fewer nodes "
+                        f"left than MIN_NODES (default {D.min_nodes}) stop the job. Elsewhere the job stops at a "
+                        "loss, as without it (prunex, prunex-flat)")
     g.add_argument("--threads", type=_positive_int, default=None,
                    help="torch threads per rank (None: cores / ranks on the host)")
     g.add_argument("--device", default=D.device, choices=("auto", "cpu", "cuda"),

@@ -341,10 +341,20 @@ class ShardedLoader:
     def _iter(self, start: int, idx: Tensor, epoch: int) -> Iterator[Tuple[Tensor, Tensor]]:
         bs = self.batch_size
         for b in range(start, self._len):
-            sel = idx[b * bs:(b + 1) * bs].to(self.device)
-            x = self._x[sel]
-            if self.train and self.data.augment != "none":
-                g = torch.Generator().manual_seed(_batch_seed(self.seed, epoch, self.rank, b))
-                x = augment_batch(x, self.data.augment, g)
-            x = (x.to(torch.float32).div_(255.0) - self._mean).div_(self._std)
-            yield x, self._y[sel]
+            yield self.batch_of(idx[b * bs:(b + 1) * bs], epoch, (self.rank, b))
+
+    def batch_of(self, sel: Tensor, epoch: int, stream: Tuple[int, int]) -> Tuple[Tensor, Tensor]:
+        """The samples ``sel`` as a normalised batch; train batches augmented with a generator seeded from
+        ``(seed, epoch, *stream)`` (:meth:`batches` passes (rank, batch index))."""
+        sel = sel.to(self.device)
+        x = self._x[sel]
+        if self.train and self.data.augment != "none":
+            g = torch.Generator().manual_seed(_batch_seed(self.seed, epoch, *stream))
+            x = augment_batch(x, self.data.augment, g)
+        x = (x.to(torch.float32).div_(255.0) - self._mean).div_(self._std)
+        return x, self._y[sel]
+
+    def permutation(self, epoch: int) -> Tensor:
+        """The epoch's order of the whole training set, the same on every rank (what the train shards split)."""
+        g = torch.Generator().manual_seed(self.seed + int(epoch))
+        return torch.randperm(len(self._y), generator=g)

@@ -121,6 +121,7 @@ ONLY_FOR: Dict[str, tuple] = {
     **dict.fromkeys(("rho1", "rho2", "rho_max", "freeze_round", "channel_budget", "paper"), _PRUNEX),
     **dict.fromkeys(("node_sync", "payload_dtype", "overlap"), ("prunex",)),   # the node tier: not the flat one
     **dict.fromkeys(("sparsity", "coupled"), _PRUNEX + ("pactrain",)),
+    "elastic": _PRUNEX,
     "topk_ratio": ("topk",), "pactrain_structure": ("pactrain",), "hier_intra_steps": ("localsgd-hier",),
 }
 

@@ -95,6 +95,8 @@ class TrainConfig:
     ranks_per_node: Optional[int] = None
     nodes_per_rack: Optional[int] = None
     timeout: Optional[float] = None            # s a collective may wait before the job stops naming who is missing
+    elastic: bool = False                      # a lost node costs a round, not the job (horovodrun elastic mode)
+    min_nodes: int = 1                         # elastic: fewer nodes left than this stops the job
     seed: int = 0
     out: str = "runs/run"
     checkpoint_every: int = 1                  # rounds; 0: only at the end of a --stop-after-rounds slice
@@ -182,6 +184,10 @@ class TrainConfig:
         if self.consensus.rho_max == "auto" and self.momentum >= 1 and self.method in PRUNEX_METHODS:
             raise ValueError(f"--rho-max auto caps rho by the lr and momentum's gain 1/(1 - momentum), which needs "
                              f"momentum < 1 (got {self.momentum!r}): pass --rho-max N")
+        if isinstance(self.min_nodes, bool) or not isinstance(self.min_nodes, int) or self.min_nodes < 1:
+            raise ValueError(f"min_nodes must be an integer >= 1, got {self.min_nodes!r}")
+        if self.elastic and self.method not in PRUNEX_METHODS:
+            raise ValueError(f"elastic training runs PruneX (prunex, prunex-flat), not {self.method!r}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every!r}")
         if self.stop_after_rounds is not None and self.stop_after_rounds < 1:
@@ -290,6 +296,13 @@ class _MetricsLog:
                         lines.append(line)
         checkpoint.atomic_write_bytes(path, lambda f: f.write("".join(lines).encode()))
 
+    @classmethod
+    def appending(cls, path: str, enabled: bool) -> "_MetricsLog":
+        """A log that appends to ``path`` as it stands (elastic training: a new rank 0 after a change of nodes)."""
+        log = cls.__new__(cls)
+        log.path, log.enabled = path, enabled
+        return log
+
     def write(self, record: Dict[str, Any]) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
@@ -344,6 +357,8 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
     from tqdm import tqdm
 
     cfg.validate()
+    if cfg.elastic:
+        raise ValueError("elastic=True runs in prunex_hvd.app.elastic_train.train_elastic (prunex-hvd train --elastic)")
     topo = px.init(backend=cfg.consensus.backend, ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout,
                    nodes_per_rack=cfg.nodes_per_rack)
     _, control = runtime.state()

@@ -31,8 +31,8 @@ def test_a_restore_brings_back_the_last_commit_bit_for_bit():
         sched.step()
         state.epoch = 4
         state.commit()
-        kept = ({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()), opt.rounds_done(),
-                sched.state_dict())
+        kept = ({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()),
+                opt.rounds_done(), sched.state_dict())
         train(model, opt, 4)   # a round and a step past the commit
         sched.step()
         state.epoch = 5
@@ -86,3 +86,25 @@ def test_under_an_elastic_launch_nothing_talks_before_the_state_forms_the_nodes(
         make(overlap=True)
     with pytest.raises(ValueError, match="backend='horovod' under elastic training"):
         make(backend="horovod")
+
+
+def test_a_rank_a_round_ahead_goes_back_to_its_commit_before():
+    """What sync() does when a failure struck between two ranks' commits of one round: the rank ahead restores
+    the commit before its last."""
+    model, opt = make()
+    state = px.elastic.State(model, opt, batch=0)
+
+    @px.elastic.run
+    def loop(state):
+        train(model, opt, 3)
+        state.batch = 3
+        state.commit()
+        first = {k: v.clone() for k, v in model.state_dict().items()}
+        train(model, opt, 3)
+        state.batch = 6
+        state.commit()
+        state.restore(previous=True)
+        return first
+    first = loop(state)
+    assert opt.rounds_done() == 1 and state.batch == 3
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in first.items())

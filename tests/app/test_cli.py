@@ -89,7 +89,7 @@ def _exits(argv, capsys):
     return exit_.value.code, out.out, out.err
 
 
-def test_train_help_shows_at_most_40_options_each_with_its_default(capsys):
+def test_train_help_shows_at_most_41_options_each_with_its_default(capsys):
     code, out, _ = _exits(["train", "--help"], capsys)
     assert code == 0
     entries, entry = [], None   # each option's lines: from its "  -X" line to the next one or a group's heading
@@ -102,8 +102,9 @@ def test_train_help_shows_at_most_40_options_each_with_its_default(capsys):
         else:
             entry = None
     options = {re.match(r"\s*(-[-\w]+)", e[0]).group(1): " ".join(s.strip() for s in e) for e in entries}
-    assert 30 <= len(options) <= 40, sorted(options)
-    assert {"-h", "--sparsity", "--rho-max", "--overlap", "--paper", "--config", "--warmup-epochs"} <= set(options)
+    assert 30 <= len(options) <= 41, sorted(options)
+    assert {"-h", "--sparsity", "--rho-max", "--overlap", "--paper", "--config", "--warmup-epochs",
+            "--elastic"} <= set(options)
     assert [o for o, text in options.items() if o != "-h" and "(default:" not in text] == []
     assert "(default:" not in options["-h"]
 
