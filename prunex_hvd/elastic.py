@@ -175,10 +175,12 @@ class State:
         if len(rounds) == 2 and rounds[1] == rounds[0] + 1 and holds and self.optimizer.rounds_done() == rounds[1] \
                 and self._previous is not None:
             self.restore(previous=True)
-        rows = control.allgather_object((holds, self.optimizer._step_count_local if holds else None))
-        holders = [r for r, (h, _) in enumerate(rows) if h]
+        opt = self.optimizer
+        rows = control.allgather_object((holds, opt._step_count_local if holds else None,
+                                         opt._config if holds else None))
+        holders = [r for r, (h, _, _) in enumerate(rows) if h]
         root = holders[0] if holders else 0
-        report = self.optimizer._elastic_form(bool(holders), rows[root][1] or 0)
+        report = opt._elastic_form(bool(holders), rows[root][1] or 0, rows[root][2])
         values = control.broadcast_object({n: self._value(n) for n in self._names}, root=root)
         if not holds and holders:   # a joining rank takes the job's values
             for name, value in values.items():

@@ -77,10 +77,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._hsadmm
 
     # -- elastic (prunex_hvd.elastic): no communication but in _elastic_form ---------------------------------
-    def _elastic_form(self, anyone_holds: bool, steps: int) -> dict:
+    def _elastic_form(self, anyone_holds: bool, steps: int, config: Optional[ConsensusConfig] = None) -> dict:
         """Collective, on the nodes the runtime has just formed. A fresh job builds the engine (rank 0's model
-        broadcast); a rank with a state goes on from it over the new nodes; a joining rank builds its engine from
-        its model and takes the job's state and step count (``steps``, the holders')."""
+        broadcast); a rank with a state goes on from it over the new nodes; a joining rank takes the job's settings
+        (``config``: its round length may have been resolved over other ranks), builds its engine from its model
+        and takes the job's state and step count (``steps``, the holders')."""
+        if self._hsadmm is None and anyone_holds and config is not None:
+            self._config, self._local_steps = config, config.local_steps
         topo, groups = self._job()
         if not anyone_holds:
             self._hsadmm = HSADMM(self._model, topo, groups, self._config, self._structure)
@@ -229,6 +232,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         BatchNorm statistics averaged in the last round) into the model, the same on every rank (see
         :meth:`HSADMM.finalize`). ``step()`` and ``consensus()`` raise after it."""
         self._engine.finalize()
+
+    @property
+    def local_steps(self) -> int:
+        """Steps per consensus round (elastic training: the job's, which a joining rank takes)."""
+        return self._local_steps
 
     def rounds_done(self) -> int:
         """Consensus rounds so far: cheap, for a training loop's every step (``stats()`` is not)."""

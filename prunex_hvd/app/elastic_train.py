@@ -95,7 +95,7 @@ def train_elastic(cfg: TrainConfig) -> Dict[str, Any]:
         meta = {"model": cfg.model, "dataset": cfg.dataset, "method": cfg.method,
                 "sparsity": str(cfg.consensus.sparsity), "coupled": cfg.consensus.coupled, "world_size": W,
                 "num_nodes": topo.num_nodes, "ranks_per_node": topo.local_size, "batch_size": B,
-                "local_steps": cfg.consensus.local_steps, "seed": cfg.seed, "warmup_epochs": cfg.warmup_epochs,
+                "local_steps": opt.local_steps, "seed": cfg.seed, "warmup_epochs": cfg.warmup_epochs,
                 "elastic": True}
         keep_upto = None
         if first:
@@ -153,7 +153,7 @@ def train_elastic(cfg: TrainConfig) -> Dict[str, Any]:
             running[2] += len(y)
             ends_epoch = state.cursor + W * B > n_train   # (the next step starts the next epoch)
             last = state.epoch + (1 if ends_epoch else state.cursor / n_train) >= cfg.epochs
-            if last and opt.rounds_done() == before and opt.stats()["steps"] % cfg.consensus.local_steps:
+            if last and opt.rounds_done() == before and opt.stats()["steps"] % opt.local_steps:
                 opt.consensus()   # the last local steps join the consensus the final model is made of
             if opt.rounds_done() == before:
                 continue
@@ -189,7 +189,7 @@ def train_elastic(cfg: TrainConfig) -> Dict[str, Any]:
                    "dataset": cfg.dataset, "sparsity": str(cfg.consensus.sparsity), "world_size": W,
                    "num_nodes": topo.num_nodes, "ranks_per_node": topo.local_size, "launcher": topo.launcher,
                    "backend": runtime.default_backend(), "epochs": cfg.epochs, "rounds": stats["rounds"],
-                   "steps": state.step, "local_steps": cfg.consensus.local_steps,
+                   "steps": state.step, "local_steps": opt.local_steps,
                    "final_test_acc": final["test_acc"], "final_test_loss": final["test_loss"],
                    "density": stats["density"], **totals, "wall_s": state.wall, "elastic_changes": state.changes,
                    "args": cfg.as_dict()}
