@@ -90,9 +90,9 @@ class State:
         if not hasattr(optimizer, "_elastic_form"):
             raise ValueError("prunex_hvd.elastic.State takes the optimizer prunex_hvd.DistributedOptimizer returned "
                              f"(PruneX), got {type(optimizer).__name__}")
-        join_rendezvous()
         if not isinstance(min_nodes, int) or isinstance(min_nodes, bool) or min_nodes < 1:
             raise ValueError(f"min_nodes must be an integer >= 1, got {min_nodes!r}")
+        join_rendezvous()
         self.model, self.optimizer, self.min_nodes = model, optimizer, min_nodes
         self._names = list(values)
         for name, value in values.items():

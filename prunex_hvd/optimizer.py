@@ -103,14 +103,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             joining.release(self._hsadmm)
 
     def _elastic_snapshot(self) -> dict:
-        """This rank's optimizer and engine state, copied in memory (no communication)."""
-        return copy.deepcopy({"optimizer": super(self.__class__, self).state_dict(),
-                              "engine": self._engine.state_dict(), "steps": self._step_count_local})
+        """This rank's optimizer and engine state, copied in memory (no communication; the engine's state dict is
+        a copy already)."""
+        return {"optimizer": copy.deepcopy(super(self.__class__, self).state_dict()),
+                "engine": self._engine.state_dict(), "steps": self._step_count_local}
 
     def _elastic_restore(self, snapshot: dict) -> None:
-        """Back to :meth:`_elastic_snapshot` (no communication; load the model's state first)."""
-        snapshot = copy.deepcopy(snapshot)
-        super(self.__class__, self).load_state_dict(snapshot["optimizer"])
+        """Back to :meth:`_elastic_snapshot` (no communication; load the model's state first). The optimizer's
+        state is loaded from a copy: torch's ``load_state_dict`` may keep the tensors it is given, which later steps
+        change; the engine copies what it loads."""
+        super(self.__class__, self).load_state_dict(copy.deepcopy(snapshot["optimizer"]))
         self._engine.load_state_dict(snapshot["engine"])
         self._step_count_local = snapshot["steps"]
 

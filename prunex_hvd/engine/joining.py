@@ -16,6 +16,7 @@ from typing import List
 
 import torch
 
+from . import sparsity
 from .state import ConsensusState
 
 HOLDS, ROUND, SIGNATURE = range(3)   # the columns of each rank's row in the first allgather
@@ -35,16 +36,10 @@ def facts(state: ConsensusState) -> torch.Tensor:
                         dtype=torch.float64)
 
 
-def masks_flat(state: ConsensusState) -> torch.Tensor:
-    """Every structured entry's row and column masks, one after the other, as uint8."""
-    parts = [torch.cat([e.rows, e.cols]) for e in state.structured]
-    return torch.cat(parts).to(torch.uint8) if parts else torch.zeros(0, dtype=torch.uint8, device=state.device)
-
-
 def values(state: ConsensusState) -> torch.Tensor:
-    """z on its support (structured entries: the kept rows × columns, in order), then the last round's float
+    """z on its support (structured entries: the kept block, :func:`sparsity.shrink`), then the last round's float
     buffers, as one tensor in the state's dtype."""
-    parts = [e.z.reshape(len(e.rows), -1)[e.rows][:, e.cols].reshape(-1) if e.structured else e.z.reshape(-1)
+    parts = [sparsity.shrink(e.z, e.row_idx, e.col_idx).reshape(-1) if e.structured else e.z.reshape(-1)
              for e in state.entries]
     parts += [b.reshape(-1).to(state.state_dtype) for b in state.round_buffers]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=state.state_dtype, device=state.device)
@@ -52,38 +47,22 @@ def values(state: ConsensusState) -> torch.Tensor:
 
 def numel_of_values(state: ConsensusState) -> int:
     """The size of :func:`values` under the masks this rank holds."""
-    return sum(int(e.rows.sum()) * int(e.cols.sum()) if e.structured else e.z.numel() for e in state.entries) + \
-        sum(b.numel() for b in state.round_buffers)
-
-
-def take_masks(state: ConsensusState, flat: torch.Tensor) -> None:
-    """Set the structured entries' masks from :func:`masks_flat`'s tensor."""
-    offset, flat = 0, flat.bool()
-    for e in state.structured:
-        nr, nc = len(e.rows), len(e.cols)
-        e.set_masks(flat[offset:offset + nr].clone(), flat[offset + nr:offset + nr + nc].clone())
-        offset += nr + nc
+    return sum(e.compact_numel() for e in state.entries) + sum(b.numel() for b in state.round_buffers)
 
 
 def take(state: ConsensusState, job_facts: torch.Tensor, flat_values: torch.Tensor) -> None:
-    """A joining rank's state from the job's (masks already taken): z from the compact values, z_i = z, θ = z, the
-    duals u, v_i at zero, ρ, the round counter and freeze, the float buffers. No base of a narrow payload: the next
-    round sends whole values."""
+    """A joining rank's state from the job's (masks already taken): z from the compact values
+    (:func:`sparsity.recover`), z_i = z, θ = z, the duals u, v_i at zero, ρ, the round counter and freeze, the float
+    buffers. No base of a narrow payload: the next round sends whole values."""
     n = len(state.entries)
     head, rho1, rho2 = job_facts[:4].tolist(), job_facts[4:4 + n].tolist(), job_facts[4 + n:4 + 2 * n].tolist()
     offset = 0
     with torch.no_grad():
         for e, r1, r2 in zip(state.entries, rho1, rho2):
-            if e.structured:
-                kept = int(e.rows.sum()) * int(e.cols.sum())
-                z = torch.zeros_like(e.z).reshape(len(e.rows), -1)
-                block = z[e.rows]
-                block[:, e.cols] = flat_values[offset:offset + kept].view(int(e.rows.sum()), -1).to(z.dtype)
-                z[e.rows] = block
-                z = z.view_as(e.z)
-            else:
-                kept = e.z.numel()
-                z = flat_values[offset:offset + kept].view_as(e.z).to(e.z.dtype).clone()
+            kept = e.compact_numel()
+            block = flat_values[offset:offset + kept]
+            z = sparsity.recover(block, e.row_idx, e.col_idx, e.z.shape) if e.structured else block.view_as(e.z)
+            z = z.to(e.z.dtype).clone()
             offset += kept
             e.z, e.z_i = z, z.clone()
             e.u.zero_()
@@ -166,9 +145,11 @@ def welcome(engine, joined: bool) -> dict:
         return {"joined": [], "round": s.round}
     root = next(r for r in range(len(rows)) if rows[r, HOLDS])
     job_facts = exchange.from_rank_(facts(s).to(s.device), root).cpu()
-    flat = exchange.from_rank_(masks_flat(s), root)
-    if joined:
-        take_masks(s, flat)
+    if s.structured:
+        masks = exchange.from_rank_(engine.masks.flat([(e.rows, e.cols) for e in s.structured]), root)
+        if joined:
+            for e, (rows, cols) in zip(s.structured, engine.masks.split(masks)):
+                e.set_masks(rows, cols)
     flat_values = exchange.from_rank_(
         torch.zeros(numel_of_values(s), dtype=s.state_dtype, device=s.device) if joined else values(s), root)
     if joined:

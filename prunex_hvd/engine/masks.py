@@ -64,10 +64,10 @@ class MaskPolicy:
         if not s.structured:
             s.mask_drift = 0.0
             return
-        flat = self._flat(local)
+        flat = self.flat(local)
         self.exchange.tree_(flat, "bor", tag="masks")   # one node: every rank projected the same z_i already
         changed = kept_total = 0
-        for e, (rows, cols) in zip(s.structured, self._split(flat)):
+        for e, (rows, cols) in zip(s.structured, self.split(flat)):
             both = int((rows & e.rows).sum()) * int((cols & e.cols).sum())
             changed += int(rows.sum()) * int(cols.sum()) + int(e.rows.sum()) * int(e.cols.sum()) - 2 * both
             kept_total += len(e.rows) * len(e.cols)
@@ -81,17 +81,17 @@ class MaskPolicy:
         wins can depend on the BLAS path or the thread count: the ranks take one choice, not their own."""
         if not chosen:
             return chosen
-        flat = self._flat(chosen)
+        flat = self.flat(chosen)
         self.exchange.tree_(flat, "broadcast", tag="masks")
-        return self._split(flat)
+        return self.split(flat)
 
     @staticmethod
-    def _flat(masks: List[tuple]) -> torch.Tensor:
+    def flat(masks: List[tuple]) -> torch.Tensor:
         """Row and column masks, layer after layer, as one uint8 tensor (what the exchange carries)."""
         return torch.cat([torch.cat([r, c]) for r, c in masks]).to(torch.uint8)
 
-    def _split(self, flat: torch.Tensor) -> List[tuple]:
-        """:meth:`_flat`'s tensor back into (rows, cols) masks of the structured entries."""
+    def split(self, flat: torch.Tensor) -> List[tuple]:
+        """:meth:`flat`'s tensor back into (rows, cols) masks of the structured entries."""
         flat, out, offset = flat.bool(), [], 0
         for e in self.state.structured:
             nr, nc = len(e.rows), len(e.cols)
