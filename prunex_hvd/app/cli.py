@@ -118,7 +118,7 @@ def _compare(args) -> int:
         f.write(table)
     print("\n" + table)
     if made["summary"]:
-        print("Against the measured dense run:\n" + "\n".join(f"* {line}" for line in made["summary"]) + "\n")
+        print("\n".join(report.against_dense(made["summary"])))
     print(f"runs in {args.out}/<method>; plots and report.md in {made['out_dir']}")
     return 0
 

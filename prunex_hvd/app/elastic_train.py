@@ -32,8 +32,9 @@ from ..batchnorm import tracked_batchnorms
 from ..dist import comm, runtime
 from . import checkpoint, methods, models
 from .data import ShardedLoader, load_dataset
-from .train import (FINAL_BN_BATCHES, PRUNEX_METHODS, TrainConfig, _MetricsLog, _job_totals, _pick_device,
-                    evaluate_recalibrated)
+from .methods import PRUNEX_METHODS
+from .train import (FINAL_BN_BATCHES, TrainConfig, _MetricsLog, _job_totals, _pick_device, evaluate_recalibrated,
+                    write_results)
 
 log = logging.getLogger("prunex_hvd")
 
@@ -196,12 +197,7 @@ def train_elastic(cfg: TrainConfig) -> Dict[str, Any]:
         metrics.write({"event": "final", "method": cfg.method, "round": stats["rounds"], "step": state.step,
                        "epoch": cfg.epochs, "wall_s": state.wall, **final, **totals, "density": stats["density"]})
         if is_main:
-            checkpoint.atomic_torch_save(os.path.join(cfg.out, "final_model.pt"),
-                                         {"model": cfg.model, "sparsity": str(cfg.consensus.sparsity),
-                                          "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                                          "num_classes": data.num_classes, "in_channels": data.in_channels,
-                                          "image_size": data.image_size, "dataset": cfg.dataset})
-            checkpoint.atomic_write_json(os.path.join(cfg.out, "summary.json"), summary)
+            write_results(cfg, model, data, summary)
         return summary
 
     return job(state)

@@ -116,12 +116,13 @@ METHODS: Dict[str, Callable] = {"dense": _dense, "topk": _topk, "pactrain": _pac
 
 # The settings only some methods read: {setting: those methods}. The data, the schedule and the launch apply to
 # every method (a method that talks every step takes no period from --local-steps, but logs by it).
-_PRUNEX = ("prunex", "prunex-flat")
+PRUNEX_METHODS = ("prunex", "prunex-flat")       # the consensus methods
+PRUNING_METHODS = PRUNEX_METHODS + ("pactrain",)   # the methods whose final model is pruned
 ONLY_FOR: Dict[str, tuple] = {
-    **dict.fromkeys(("rho1", "rho2", "rho_max", "freeze_round", "channel_budget", "paper"), _PRUNEX),
+    **dict.fromkeys(("rho1", "rho2", "rho_max", "freeze_round", "channel_budget", "paper"), PRUNEX_METHODS),
     **dict.fromkeys(("node_sync", "payload_dtype", "overlap"), ("prunex",)),   # the node tier: not the flat one
-    **dict.fromkeys(("sparsity", "coupled"), _PRUNEX + ("pactrain",)),
-    "elastic": _PRUNEX,
+    **dict.fromkeys(("sparsity", "coupled"), PRUNING_METHODS),
+    "elastic": PRUNEX_METHODS,
     "topk_ratio": ("topk",), "pactrain_structure": ("pactrain",), "hier_intra_steps": ("localsgd-hier",),
 }
 

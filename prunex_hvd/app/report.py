@@ -252,18 +252,18 @@ def dense_reference(runs: list) -> Optional[dict]:
 def counterfactual_label(run: dict) -> str:
     """What ``run``'s ``dense_inter_bytes`` counts, as its label: :data:`COUNTERFACTUAL` for the PruneX methods
     (their rounds, dense), :data:`COUNTERFACTUAL_STEPS` for the other methods (a dense run of the same steps)."""
-    from .methods import METHODS, ONLY_FOR
+    from .methods import METHODS, PRUNEX_METHODS
     method = _get(run, "method")
-    if method in ONLY_FOR["rho1"]:   # (the consensus methods: the settings of ρ are theirs)
+    if method in PRUNEX_METHODS:
         return COUNTERFACTUAL
     return COUNTERFACTUAL_STEPS if method in METHODS else COUNTERFACTUAL_ANY
 
 
 def _sparsity(run: dict) -> str:
     """The run's sparsity spec; "none" for a method that prunes nothing (it was given the spec, not using it)."""
-    from .methods import METHODS, ONLY_FOR
+    from .methods import METHODS, PRUNING_METHODS
     method = _get(run, "method")
-    if method in METHODS and method not in ONLY_FOR["sparsity"]:
+    if method in METHODS and method not in PRUNING_METHODS:
         return "none"
     return _cell(_get(run, "sparsity"))
 
@@ -908,9 +908,9 @@ def make_report(run_dirs: list, out_dir: Optional[str] = None, max_mask_layers: 
             written = _fig_masks(r, out / f"{key}.png", max_mask_layers)
             if written:
                 figures[key] = written
-    table = out / "report.md"
-    table.write_text(report_markdown(runs, figures, targets))
-    return {"out_dir": str(out), "figures": figures, "table": str(table), "summary": summary_lines(runs)}
+    table, summary = out / "report.md", summary_lines(runs)
+    table.write_text(report_markdown(runs, figures, summary, targets))
+    return {"out_dir": str(out), "figures": figures, "table": str(table), "summary": summary}
 
 
 # (title, caption) per figure: the caption says what the figure shows and how to read it
@@ -971,13 +971,15 @@ TERMS = [
 ]
 
 
-def report_markdown(runs: list, figures: dict, targets: Optional[list] = None) -> str:
-    """``report.md``: against the measured dense run (when there is one), the table, the terms, the
-    epochs-to-target table (with ``targets``), then every figure in ``figures`` with its caption."""
-    md = ["# Training report", ""]
-    lines = summary_lines(runs)
-    if lines:
-        md += ["Against the measured dense run:", ""] + [f"* {line}" for line in lines] + [""]
+def against_dense(summary: list) -> list:
+    """:func:`summary_lines` as markdown lines under their heading; none without a measured dense run."""
+    return ["Against the measured dense run:", ""] + [f"* {line}" for line in summary] + [""] if summary else []
+
+
+def report_markdown(runs: list, figures: dict, summary: list, targets: Optional[list] = None) -> str:
+    """``report.md``: against the measured dense run (``summary``, :func:`summary_lines`), the table, the terms,
+    the epochs-to-target table (with ``targets``), then every figure in ``figures`` with its caption."""
+    md = ["# Training report", ""] + against_dense(summary)
     md += [markdown_table(runs), "## Terms", ""] + [f"* {t}" for t in TERMS] + [""]
     if targets:
         md += ["## Epochs to target", "", target_table(runs, targets)]

@@ -36,6 +36,7 @@ from ..dist import comm, runtime
 from ..dist.agreement import call_agreed
 from ..engine.config import ConsensusConfig
 from . import checkpoint, methods, models
+from .methods import PRUNEX_METHODS
 from .report import run_config
 from .data import AUGMENTS, ShardedLoader, load_dataset
 
@@ -46,7 +47,6 @@ from .data import AUGMENTS, ShardedLoader, load_dataset
 # without it (benchmarks/log/2026-11-29-warmup-a-task-needs.md). The library leaves the lr to the user's script.
 AUTO_WARMUP_EPOCHS = 2.0
 AUTO_WARMUP_MAX_FRACTION = 1 / 8
-PRUNEX_METHODS = ("prunex", "prunex-flat")
 # A training loss above this many times a uniform guess's, ln(classes), means the lr diverges on each worker's batch:
 # ResNet-18 on digits at 8×8, lr 0.05, a node's batch of 32, no warm-up: 3.9-5.0 in the first rounds for PruneX and
 # hierarchical local SGD (ln 10 = 2.30), at most 3.2 with the two-epoch warm-up (8% under the 3.45 this sets), 2.5-2.9
@@ -547,11 +547,17 @@ def train(cfg: TrainConfig) -> Dict[str, Any]:
                "epoch": step / steps_per_epoch, "wall_s": wall, **final, **totals,
                "density": summary["density"], "layer_density": summary["layer_density"]})
     if is_main:
-        checkpoint.atomic_torch_save(os.path.join(cfg.out, "final_model.pt"),
-                                     {"model": cfg.model,
-                                      "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                                      "sparsity": str(cfg.consensus.sparsity), "num_classes": data.num_classes,
-                                      "in_channels": data.in_channels, "image_size": data.image_size,
-                                      "dataset": cfg.dataset})  # state_dict on cpu: loads anywhere
-        checkpoint.atomic_write_json(os.path.join(cfg.out, "summary.json"), summary)
+        write_results(cfg, model, data, summary)
     return summary
+
+
+def write_results(cfg: TrainConfig, model: torch.nn.Module, data, summary: Dict[str, Any]) -> None:
+    """``final_model.pt`` (the finalized model, its state dict on CPU: it loads anywhere) and ``summary.json``,
+    atomically, into the run folder."""
+    checkpoint.atomic_torch_save(os.path.join(cfg.out, "final_model.pt"),
+                                 {"model": cfg.model,
+                                  "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                                  "sparsity": str(cfg.consensus.sparsity), "num_classes": data.num_classes,
+                                  "in_channels": data.in_channels, "image_size": data.image_size,
+                                  "dataset": cfg.dataset})
+    checkpoint.atomic_write_json(os.path.join(cfg.out, "summary.json"), summary)
