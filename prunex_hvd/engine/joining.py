@@ -105,7 +105,8 @@ def _ranks(ranks: List[int]) -> str:
 
 def reform(engine, topo, groups) -> None:
     """The nodes changed: ``engine`` goes on over ``topo`` and ``groups`` from memory, keeping this rank's own state
-    (θ, u, its node's z_i and v_i, z, ρ, the masks, the round); a lost node's duals left with it. No communication
+    (θ, u, its node's z_i and v_i, z, ρ, the masks, the round); a lost node's duals left with it, and with one node
+    left v_i is dropped too (the one-node round has z = z_i). No communication
     (the caller built ``groups`` on every rank). The next round sends whole values: a narrow payload's bases were
     sums over the nodes before."""
     if engine.overlap.in_flight is not None:
@@ -114,6 +115,9 @@ def reform(engine, topo, groups) -> None:
     engine.build(topo, groups, broadcast=False)
     engine.load_state_dict(saved)
     engine.state.anchored_at = None
+    if not engine.state.inter_tier:   # one node left: no constraint across nodes, so no dual for it (z = z_i)
+        for e in engine.entries:
+            e.v.zero_()
 
 
 def joiner(engine_cls, model, topo, groups, config, structure, ledger=None):

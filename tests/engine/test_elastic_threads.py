@@ -131,3 +131,34 @@ def test_a_joiner_with_another_model_or_no_holder_is_refused_on_every_rank():
     with pytest.raises(Exception) as err:
         run_ranks(2, 2, grow)
     assert "rank(s) 2,3 joined with another model or structure" in str(err.value.__cause__)
+
+
+def test_down_to_one_node_the_dual_across_nodes_is_dropped_and_the_round_is_the_one_node_round():
+    config = cases.paper_config(sparsity="channel:0.5", freeze_round=None)
+    models = [cases.make_model("chain", r) for r in range(2 * P)]
+    structure = Structure.resolve(models[0], config)
+    native.module()
+    engines, opts = {}, {}
+
+    def first(rank):
+        r = rank.topo.rank
+        engines[r] = HSADMM(models[r], rank.topo, rank.groups, config, structure, ledger=rank.ledger)
+        opts[r] = cases.sgd(models[r])
+        for k in range(2):
+            _round(engines[r], models[r], opts[r], r, k * cases.LOCAL_STEPS)
+    run_ranks(2, P, first)
+    assert any(e.v.any() for e in engines[0].entries)   # two nodes left node 0 with a dual
+
+    def after_loss(rank):
+        r = rank.topo.rank
+        z_i = {e.name: e.z_i.clone() for e in engines[r].entries}
+        joining.reform(engines[r], rank.topo, rank.groups)
+        assert not any(e.v.any() for e in engines[r].entries)
+        assert all(torch.equal(e.z_i, z_i[e.name]) for e in engines[r].entries)   # the rest kept
+        return _round(engines[r], models[r], opts[r], r, 2 * cases.LOCAL_STEPS)
+    runs = run_ranks(1, P, after_loss, cluster=thread_cluster(1, P, keep_records=True))
+    before, after = [b for b, _ in runs], [a for _, a in runs]
+    cases.check_round(2, before, after, [list(range(P))], engines[0])
+    for got in after:   # the one-node round: z is the node's z_i
+        for name in got["z"]:
+            assert torch.equal(got["z"][name], got["z_i"][name]), name
