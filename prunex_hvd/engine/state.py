@@ -75,8 +75,9 @@ class ConsensusState:
         self.inter_tier = topo.num_nodes > 1   # one node: z = z_i, nothing to balance across nodes
         # racks: θ → z_i → w_r → z (one rack, or one node per rack, is the two-tier round unchanged)
         self.rack_tier = self.inter_tier and config.rack_tier and bool(topo.rack_nodes) and topo.num_racks > 1
-        # what crosses nodes; narrower than the state: each sender's change against its own base (codec.py)
-        self.payload_dtype = PAYLOAD_DTYPES[config.payload_dtype] or self.dtype
+        # what crosses nodes; narrower than the state: each sender's change against its own base (codec.py). One
+        # node sends nothing across nodes: z = z_i + v in the model's dtype, not rounded to a payload's
+        self.payload_dtype = (PAYLOAD_DTYPES[config.payload_dtype] if self.inter_tier else None) or self.dtype
         self.delta_coded = (self.inter_tier and config.payload_dtype is not None
                             and self.payload_dtype.itemsize < self.state_dtype.itemsize)
         self.specs = structure.specs

@@ -133,8 +133,10 @@ def test_a_joiner_with_another_model_or_no_holder_is_refused_on_every_rank():
     assert "rank(s) 2,3 joined with another model or structure" in str(err.value.__cause__)
 
 
-def test_down_to_one_node_the_dual_across_nodes_is_dropped_and_the_round_is_the_one_node_round():
-    config = cases.paper_config(sparsity="channel:0.5", freeze_round=None)
+@pytest.mark.parametrize("levers", [{}, {"payload_dtype": "bf16", "node_sync": True, "channel_budget": "global",
+                                         "freeze_round": 0}], ids=["paper", "default"])
+def test_down_to_one_node_the_dual_across_nodes_is_dropped_and_the_round_is_the_one_node_round(levers):
+    config = cases.paper_config(**{"sparsity": "channel:0.5", "freeze_round": None, **levers})
     models = [cases.make_model("chain", r) for r in range(2 * P)]
     structure = Structure.resolve(models[0], config)
     native.module()
