@@ -103,6 +103,7 @@ SUBNET = "10.77.0"
 SWITCH_NS = "pxhsw"
 SPINE_NS = "pxhspine"
 LAUNCH_NS = "pxhrun"
+NETNS_ETC = "/etc/netns"                # per-namespace /etc files (hosts)
 HOST_RE = re.compile(r"^pxh\d+$")
 RACK_SWITCH_RE = re.compile(r"^pxhsw\d+$")   # pxhsw0, pxhsw1, ...: one switch per rack with --racks > 1
 ALL_METHODS = ("dense", "topk", "pactrain", "localsgd", "localsgd-hier", "diloco", "prunex-flat", "prunex")
@@ -214,6 +215,9 @@ def reap() -> None:
 
 
 def teardown() -> List[str]:
+    for ns in os.listdir(NETNS_ETC) if os.path.isdir(NETNS_ETC) else ():
+        if HOST_RE.match(ns) or ns == LAUNCH_NS:
+            shutil.rmtree(os.path.join(NETNS_ETC, ns), ignore_errors=True)
     names = our_namespaces()
     if not names:
         return []
@@ -228,6 +232,13 @@ def teardown() -> List[str]:
 
 
 # ---------------------------------------------------------------- build and shape
+
+def set_link(host: int, up: bool, hosts: int, racks: int = 1) -> None:
+    """Stall host ``host``'s link (``up=False``: its switch port drops every frame, both ways, and neither end
+    sees an error, as when a cable or a switch dies) or bring it back."""
+    switch = host_switches(hosts, racks)[host]
+    in_ns(switch, "bridge", "link", "set", "dev", f"h{host}", "state", "3" if up else "0")
+
 
 def in_ns(ns: str, *cmd: str, **kw) -> subprocess.CompletedProcess:
     return sh("ip", "netns", "exec", ns, *cmd, **kw)
@@ -256,6 +267,13 @@ def build(hosts: int, mtu: int, racks: int = 1) -> None:
     host_names = [f"pxh{k}" for k in range(hosts)]
     switches = switch_names(racks)
     bridges = switches + ([SPINE_NS] if racks > 1 else [])
+    # every host name resolves inside the cluster (``ip netns exec`` mounts /etc/netns/NS/hosts over /etc/hosts):
+    # horovodrun's workers find each other by host name
+    names = "".join(f"{SUBNET}.{k + 1} {n}\n" for k, n in enumerate(host_names)) + f"{SUBNET}.254 {LAUNCH_NS}\n"
+    for ns in (LAUNCH_NS, *host_names):
+        os.makedirs(os.path.join(NETNS_ETC, ns), exist_ok=True)
+        with open(os.path.join(NETNS_ETC, ns, "hosts"), "w") as f:
+            f.write("127.0.0.1 localhost\n" + names)
     for ns in (*bridges, LAUNCH_NS, *host_names):
         sh("ip", "netns", "add", ns)
         # no IPv6: no router solicitations, DAD or MLD reports on the counted links

@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+import socket
 import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .dist import runtime
+from .dist import runtime, watchdog
 from .optimizer import say
 
 __all__ = ["State", "run", "join_rendezvous"]
@@ -229,12 +231,39 @@ def join_rendezvous() -> None:
 
 def _reset(state: "State") -> None:
     """Our groups down first, so that a peer still waiting on this rank in one of them fails at once rather than
-    at the timeout; then Horovod down and up again (its rendezvous forms the new world)."""
+    at the timeout; then Horovod down and up again (its rendezvous forms the new world). A rank that cannot reach
+    the launcher's rendezvous leaves the job (:func:`_reach_launcher`)."""
+    timeout = watchdog.default_timeout().total_seconds()
     state.optimizer._elastic_release()
     runtime.release()
     hvd = _hvd()
     hvd.shutdown()
+    _reach_launcher(timeout)
     hvd.init()
+
+
+def _reach_launcher(timeout: float) -> None:
+    """Return once the launcher's rendezvous server answers a TCP connect; raise if it has not for ``timeout``
+    seconds. After a stall both sides of the cut see the same failed collective; what tells them apart is that
+    the survivors still reach the launcher. A host cut off must leave: Horovod's rendezvous waits for every rank
+    it knows of, so the survivors would wait for the link to come back. Its exit lets the launcher drop the host
+    and the others go on; once the link is back, the host rejoins as a new one."""
+    addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    port = int(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", 0) or 0)
+    if not addr or not port:
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.5, min(5.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                host = os.environ.get("HOROVOD_HOSTNAME", socket.gethostname())
+                raise RuntimeError(f"elastic: host {host} cannot reach the launcher's rendezvous at {addr}:{port} for "
+                                   f"{timeout:g} s ({exc}): it is cut off and this rank leaves the job; the others "
+                                   "go on without it, and the host can join again once its link is back") from exc
+            time.sleep(0.5)
 
 
 def run(func: Callable) -> Callable:

@@ -4,8 +4,11 @@
 
 Each process writes OUT/pids/HOST.PID when it starts (so the test can kill a host's ranks) and trains a small CNN on
 its own synthetic batches, a round every 4 steps, committing after each round; rank 0 appends one line per round
-to OUT/progress.jsonl (round, ranks, nodes, the time). At the end every rank writes OUT/final/rank{R}.json: its pid
-and host, the changes of nodes it saw, the rounds and the consensus model's checksum."""
+to OUT/progress.jsonl (round, ranks, nodes, the time, whether the round was checked). The first round after every
+change of nodes (the start included) is checked against the single-process reference of that round, over every
+rank's state just before it: the survivors' as committed, a joiner's as handed to it. At the end every rank writes
+OUT/final/rank{R}.json: its pid and host, the changes of nodes it saw, the rounds and the consensus model's
+checksum."""
 import json
 import os
 import socket
@@ -19,6 +22,9 @@ from torch import nn
 import worker_io
 import prunex_hvd as px
 from prunex_hvd.dist import runtime
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import engine_cases as cases  # noqa: E402
 
 
 def batch(host: str, local_rank: int, index: int):
@@ -34,16 +40,34 @@ def main():
     open(os.path.join(out, "pids", f"{host}.{os.getpid()}"), "w").close()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
     opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
                                   sparsity="channel:0.5", local_steps=4)
     state = px.elastic.State(model, opt, batch=0)
+    check = {"pending": False, "done": False}
+    consensus = opt.consensus
+
+    def checked_consensus():
+        """The round; the first after a change of nodes against the reference round over the states before it."""
+        if not check["pending"]:
+            return consensus()
+        check["pending"] = False
+        control, topo = runtime.state()[1], px.topology()
+        before = control.allgather_object(cases.snapshot(opt._engine))
+        report = consensus()
+        after = control.allgather_object(cases.snapshot(opt._engine))
+        if topo.rank == 0:
+            cases.check_round(before[0]["round"], before, after, topo.node_ranks, opt._engine)
+            check["done"] = True
+        return report
+    opt.consensus = checked_consensus
 
     @px.elastic.run
     def train(state):
         topo = px.topology()
+        check["pending"] = True   # every rank: the nodes were (re)formed just now
         while opt.rounds_done() < rounds:
             x, y = batch(host, topo.local_rank, state.batch)
             opt.zero_grad()
@@ -56,7 +80,8 @@ def main():
                 if topo.rank == 0:
                     with open(os.path.join(out, "progress.jsonl"), "a") as f:
                         f.write(json.dumps({"round": opt.rounds_done(), "ranks": topo.size, "nodes": topo.num_nodes,
-                                            "time": time.time()}) + "\n")
+                                            "time": time.time(), "checked": check["done"]}) + "\n")
+                    check["done"] = False
                 state.commit()   # (raises when hosts were added: the round is logged first)
         opt.finalize()
         return topo

@@ -5,6 +5,7 @@ world (Horovod or MPI): rank 0 picks an address and a free port and tells the ot
 """
 from __future__ import annotations
 
+import os
 from typing import List
 
 import torch
@@ -20,6 +21,10 @@ def ensure_world(topo, control) -> None:
             raise RuntimeError(f"torch.distributed is initialised as rank {dist.get_rank()}/"
                                f"{dist.get_world_size()} but this job is rank {topo.rank}/{topo.size}")
         return
+    # under horovodrun, Gloo on the interface Horovod chose: by default it binds to the address of the host name,
+    # which on many hosts is a loopback one (127.0.1.1), unreachable from the other hosts
+    if os.environ.get("HOROVOD_GLOO_IFACE") and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["HOROVOD_GLOO_IFACE"]
     addr = control.broadcast_object((reachable_address(), free_port()) if topo.rank == 0 else None)
     dist.init_process_group("gloo", init_method=f"tcp://{addr[0]}:{addr[1]}", rank=topo.rank,
                             world_size=topo.size, timeout=default_timeout())
@@ -76,6 +81,6 @@ def make_groups(topo, cls, backend: str, ledger=None) -> Groups:
     """Create every group of :func:`group_plans`. ``new_group`` is collective over the whole world, so every rank
     creates every group, in the same order."""
     def make(plan, index):
-        pg = dist.new_group(list(plan.ranks), backend=backend)
+        pg = dist.new_group(list(plan.ranks), backend=backend, timeout=default_timeout())
         return None if index is None else cls(pg, plan.tier, plan.ranks, plan.nodes, index, ledger, racks=plan.racks)
     return build_groups(topo, backend, make)
