@@ -1,24 +1,32 @@
 """What a lost node costs: elastic training against a restart from the last checkpoint, side by side.
 
-    python benchmarks/bench_elastic.py --seeds 0,1,2 [--kill-at 6] [--back-at 14] [--out FILE]
+    sudo python benchmarks/bench_elastic.py --seeds 0,1,2 [--kill-at 6] [--back-at 14] [--gloo-timeout 10] \
+        [--timeout 10] [--local] [--out FILE]
 
-Two hosts × 2 ranks on this machine (``localhost`` and ``127.0.0.1``: Horovod treats them as two hosts), the same
-``prunex-hvd train`` job (resnet_small on the digits at 8×8, a round every 3 steps, a checkpoint every round) run
-three ways per seed:
+Two hosts × 2 ranks on the emulated cluster of ``emulated_cluster.py`` (hosts pxh0 and pxh1 as network namespaces
+behind one switch, unshaped; horovodrun in the launcher's namespace reaches them through ``cluster/nsrsh`` as its
+``ssh``), or with ``--local`` on this machine's ``localhost`` and ``127.0.0.1`` (Horovod treats them as two hosts;
+no root needed). The same ``prunex-hvd train`` job (resnet_small on the digits at 8×8, a round every 3 steps, a
+checkpoint every round) runs four ways per seed:
 
 * **clean**: ``--elastic`` under ``horovodrun``'s elastic mode, no fault;
-* **elastic**: the same, both ranks of host 127.0.0.1 killed (SIGKILL) once round ``--kill-at`` is logged and the host
-  taken off the discovery list; listed again once round ``--back-at`` is logged. Lost: seconds from the kill to the
-  next round the survivors log; rejoin: seconds from the listing to the first round over both nodes again;
-* **restart**: the job without ``--elastic`` under ``horovodrun --gloo`` (``--timeout 30``); the same kill ends it
-  (the watchdog), and it is launched again with ``--resume`` on both hosts. Lost: seconds from the kill to the first
+* **elastic**: the same; every process of the second host killed (SIGKILL) once round ``--kill-at`` is logged and
+  the host taken off the discovery list; listed again once round ``--back-at`` is logged. Lost: seconds from the
+  kill to the next round the survivors log; rejoin: seconds from the listing to the first round over both nodes;
+* **stall** (emulated cluster only): the same, but the second host's link stalls at round ``--kill-at`` (its switch
+  port drops every frame) and it is taken off the list; its link comes back at round ``--back-at`` and it is listed
+  again. Lost: seconds from the stall to the next round the survivors log (the collective timeout ``--timeout``,
+  then the cut-off ranks leave);
+* **restart**: the job without ``--elastic`` under ``horovodrun --gloo`` (``--timeout``); the same kill ends it (the
+  watchdog), and it is launched again with ``--resume`` on both hosts. Lost: seconds from the kill to the first
   round the resumed job logs.
 
-Seconds are observed by polling ``metrics.jsonl`` every 0.05 s. The final accuracy of the elastic run is compared with
-the clean run of the same seed. Prints one JSON document."""
+Seconds are observed by polling ``metrics.jsonl`` every 0.05 s. The final accuracy of the elastic and stall runs is
+compared with the clean run of the same seed. Prints one JSON document."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -31,6 +39,7 @@ from pathlib import Path
 from benchjson import emit
 
 BIN = Path(sys.executable).parent
+HERE = Path(__file__).resolve().parent
 TRAIN = ["--model", "resnet_small", "--dataset", "digits", "--image-size", "8", "--epochs", "6", "--local-steps", "3",
          "--batch-size", "16", "--threads", "1", "--checkpoint-every", "1"]
 ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONUNBUFFERED": "1",
@@ -52,41 +61,72 @@ def rounds(run: Path) -> list:
     return out
 
 
-class Job:
-    """One launch in its own process group; ``pids`` names every process it started, by host."""
+def load_cluster():
+    spec = importlib.util.spec_from_file_location("emulated_cluster", HERE / "emulated_cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    def __init__(self, work: Path, cmd: list, elastic: bool):
-        self.work, self.pids_dir = work, work / f"pids{time.monotonic_ns()}"
+
+class Job:
+    """One launch in its own process group, on two hosts: the emulated cluster's pxh0 and pxh1 (``cluster``, the
+    module emulated_cluster.py, built), or localhost and 127.0.0.1."""
+
+    def __init__(self, work: Path, cmd: list, elastic: bool, cluster=None):
+        self.cluster = cluster
+        self.names = ("pxh0", "pxh1") if cluster else ("localhost", "127.0.0.1")
+        self.pids_dir = work / f"pids{time.monotonic_ns()}"
         self.pids_dir.mkdir(parents=True)
         self.hosts = work / "hosts.txt"
-        self.hosts.write_text("localhost:2\n127.0.0.1:2\n")
+        self.list_hosts(2)
         mark = f'touch {self.pids_dir}/$HOROVOD_HOSTNAME.$$ && exec "$@"'
-        wrapped = ["sh", "-c", mark, "sh"] + cmd
+        wrapped = cmd if cluster else ["sh", "-c", mark, "sh"] + cmd
+        prefix, nic, env = [], [], dict(os.environ, **ENV)
+        if cluster:   # horovodrun in the launcher's namespace, reaching the hosts through nsrsh as its ssh
+            shim = work / "shim"
+            shim.mkdir(exist_ok=True)
+            (shim / "ssh").write_text(f'#!/bin/sh\nexec {cluster.AGENT} "$@"\n')
+            (shim / "ssh").chmod(0o755)
+            prefix, nic = ["ip", "netns", "exec", cluster.LAUNCH_NS], ["--network-interface", "eth0"]
+            env.update(PXC_HOSTS=" ".join(self.names), PATH=f"{shim}:{env.get('PATH', '')}")
         if elastic:
             discover = work / "discover.sh"
             discover.write_text(f"#!/bin/sh\ncat {self.hosts}\n")
             discover.chmod(0o755)
             launch = [str(BIN / "horovodrun"), "-np", "4", "--min-np", "2", "--max-np", "4",
-                      "--blacklist-cooldown-range", "1", "2", "--host-discovery-script", str(discover)] + wrapped
+                      "--blacklist-cooldown-range", "1", "2", "--host-discovery-script", str(discover)] + nic + wrapped
         else:
-            launch = [str(BIN / "horovodrun"), "--gloo", "-np", "4", "-H", "localhost:2,127.0.0.1:2"] + wrapped
-        env = dict(os.environ, **ENV)
+            launch = [str(BIN / "horovodrun"), "--gloo", "-np", "4", "-H", ",".join(f"{h}:2" for h in self.names)] \
+                + nic + wrapped
         env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
         self.log = open(work / f"log{time.monotonic_ns()}.txt", "w")
-        self.proc = subprocess.Popen(launch, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+        self.proc = subprocess.Popen(prefix + launch, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
 
-    def pids(self, host: str) -> list:
-        return [int(p.name.rsplit(".", 1)[1]) for p in self.pids_dir.iterdir() if p.name.rsplit(".", 1)[0] == host]
-
-    def kill_host(self, host: str = "127.0.0.1") -> float:
-        self.hosts.write_text("localhost:2\n")
-        for pid in self.pids(host):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    def list_hosts(self, n: int) -> float:
+        self.hosts.write_text("".join(f"{h}:2\n" for h in self.names[:n]))
         return time.time()
+
+    def kill_host(self) -> float:
+        """Every process of the second host killed; it is taken off the list first."""
+        self.list_hosts(1)
+        if self.cluster:
+            self.cluster.kill_namespace_processes([self.names[1]])
+        else:
+            for p in self.pids_dir.iterdir():
+                if p.name.rsplit(".", 1)[0] == self.names[1]:
+                    try:
+                        os.kill(int(p.name.rsplit(".", 1)[1]), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        return time.time()
+
+    def stall_host(self, stalled: bool) -> float:
+        """The second host's link stalls (taken off the list) or comes back (listed)."""
+        if stalled:
+            self.list_hosts(1)
+        self.cluster.set_link(1, up=not stalled, hosts=2)
+        return self.list_hosts(2) if not stalled else time.time()
 
     def wait(self, timeout: float) -> int:
         try:
@@ -109,25 +149,26 @@ def summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
 
 
-def clean(work: Path, seed: int) -> dict:
+def clean(work: Path, seed: int, cluster) -> dict:
     run = work / f"clean{seed}"
     job = Job(work, [str(BIN / "prunex-hvd"), "train", "--elastic", *TRAIN, "--seed", str(seed), "--out", str(run)],
-              elastic=True)
+              elastic=True, cluster=cluster)
     assert job.wait(600) == 0, job.log.name
     s = summary(run)
     return {"final_test_acc": s["final_test_acc"], "rounds": s["rounds"], "wall_s": s["wall_s"]}
 
 
-def elastic(work: Path, seed: int, kill_at: int, back_at: int) -> dict:
-    run = work / f"elastic{seed}"
+def elastic(work: Path, seed: int, kill_at: int, back_at: int, cluster, fault: str = "kill") -> dict:
+    """``fault``: "kill" (every process of the host) or "stall" (its link)."""
+    run = work / f"{fault}{seed}"
     job = Job(work, [str(BIN / "prunex-hvd"), "train", "--elastic", *TRAIN, "--seed", str(seed), "--out", str(run)],
-              elastic=True)
+              elastic=True, cluster=cluster)
     until(lambda: sum(r["event"] == "round" for r in rounds(run)) >= kill_at, job)
-    killed = job.kill_host()
+    struck = job.kill_host() if fault == "kill" else job.stall_host(True)
     seen = until(lambda: any(r["event"] == "round" and r["ranks"] == 2 for r in rounds(run)), job)
     until(lambda: rounds(run)[-1].get("round", 0) >= back_at, job)
-    job.hosts.write_text("localhost:2\n127.0.0.1:2\n")
-    listed = time.time()
+    listed = job.list_hosts(2) if fault == "kill" else job.stall_host(False)
+
     def rejoined() -> bool:
         lines = rounds(run)
         grown = [k for k, r in enumerate(lines) if r["event"] == "nodes" and r["ranks"] == 4]
@@ -136,22 +177,22 @@ def elastic(work: Path, seed: int, kill_at: int, back_at: int) -> dict:
     assert job.wait(600) == 0, job.log.name
     s = summary(run)
     lost_round = next(r for r in rounds(run) if r["event"] == "nodes")
-    return {"lost_s": seen - killed, "rejoin_s": joined - listed, "lost_at_round": lost_round["round"],
+    return {"lost_s": seen - struck, "rejoin_s": joined - listed, "lost_at_round": lost_round["round"],
             "final_test_acc": s["final_test_acc"], "rounds": s["rounds"], "wall_s": s["wall_s"],
             "changes": s["elastic_changes"]}
 
 
-def restart(work: Path, seed: int, kill_at: int) -> dict:
+def restart(work: Path, seed: int, kill_at: int, cluster, timeout: int) -> dict:
     run = work / f"restart{seed}"
-    cmd = [str(BIN / "prunex-hvd"), "train", *TRAIN, "--seed", str(seed), "--timeout", "30", "--out", str(run)]
-    job = Job(work, cmd, elastic=False)
+    cmd = [str(BIN / "prunex-hvd"), "train", *TRAIN, "--seed", str(seed), "--timeout", str(timeout), "--out", str(run)]
+    job = Job(work, cmd, elastic=False, cluster=cluster)
     until(lambda: len(rounds(run)) >= kill_at, job)
     killed = job.kill_host()
     job.wait(120)   # the watchdog ends it
     ended = time.time()
     old_file = (run / "metrics.jsonl").stat().st_ino   # a resume rewrites the file (a new inode), then appends
     saved_step = json.loads((run / "checkpoint.json").read_text())["tag"]
-    job = Job(work, cmd + ["--resume"], elastic=False)
+    job = Job(work, cmd + ["--resume"], elastic=False, cluster=cluster)
     seen = until(lambda: (run / "metrics.jsonl").stat().st_ino != old_file and
                  any(r["step"] > saved_step for r in rounds(run)), job)
     resumed_at = rounds(run)[-1]["round"]
@@ -168,27 +209,54 @@ def main() -> None:
     p.add_argument("--back-at", type=int, default=14)
     p.add_argument("--gloo-timeout", type=int, default=30,
                    help="HOROVOD_GLOO_TIMEOUT_SECONDS: how long Gloo waits for a silent peer (Horovod's default 30)")
+    p.add_argument("--timeout", type=int, default=30,
+                   help="the library's timeout (PRUNEX_TIMEOUT_S / --timeout): the watchdog's under a restart, a "
+                        "collective's under elastic training")
+    p.add_argument("--local", action="store_true", help="localhost and 127.0.0.1 instead of the emulated cluster")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    ENV["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(args.gloo_timeout)
+    ENV.update(HOROVOD_GLOO_TIMEOUT_SECONDS=str(args.gloo_timeout), PRUNEX_TIMEOUT_S=str(args.timeout))
+    cluster = None if args.local else load_cluster()
+    if cluster is not None:
+        why = cluster.preflight()
+        if why:
+            sys.exit(f"bench_elastic: the emulated cluster cannot be built: {why} (--local runs without it)")
+        cluster.teardown()
+        cluster.build(2, 1500)
     seeds = [int(s) for s in args.seeds.split(",")]
     results = []
-    with tempfile.TemporaryDirectory(prefix="bench_elastic") as tmp:
-        for seed in seeds:
-            work = Path(tmp) / f"seed{seed}"
-            work.mkdir()
-            row = {"seed": seed, "clean": clean(work, seed), "elastic": elastic(work, seed, args.kill_at, args.back_at),
-                   "restart": restart(work, seed, args.kill_at)}
-            row["acc_diff_points"] = 100 * (row["elastic"]["final_test_acc"] - row["clean"]["final_test_acc"])
-            results.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_elastic") as tmp:
+            for seed in seeds:
+                work = Path(tmp) / f"seed{seed}"
+                work.mkdir()
+                row = {"seed": seed, "clean": clean(work, seed, cluster),
+                       "elastic": elastic(work, seed, args.kill_at, args.back_at, cluster),
+                       "restart": restart(work, seed, args.kill_at, cluster, args.timeout)}
+                if cluster is not None:
+                    row["stall"] = elastic(work, seed, args.kill_at, args.back_at, cluster, fault="stall")
+                for fault in ("elastic", "stall"):
+                    if fault in row:
+                        row[f"{fault}_acc_diff_points"] = 100 * (row[fault]["final_test_acc"]
+                                                                  - row["clean"]["final_test_acc"])
+                results.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    finally:
+        if cluster is not None:
+            cluster.teardown()
     med = lambda xs: sorted(xs)[len(xs) // 2]   # noqa: E731
-    emit({"bench": "elastic", "train": TRAIN, "kill_at": args.kill_at, "back_at": args.back_at,
-          "gloo_timeout_s": int(ENV["HOROVOD_GLOO_TIMEOUT_SECONDS"]), "seeds": results,
-          "median": {"elastic_lost_s": med([r["elastic"]["lost_s"] for r in results]),
-                     "elastic_rejoin_s": med([r["elastic"]["rejoin_s"] for r in results]),
-                     "restart_lost_s": med([r["restart"]["lost_s"] for r in results]),
-                     "max_abs_acc_diff_points": max(abs(r["acc_diff_points"]) for r in results)}}, args.out)
+    median = {"elastic_lost_s": med([r["elastic"]["lost_s"] for r in results]),
+              "elastic_rejoin_s": med([r["elastic"]["rejoin_s"] for r in results]),
+              "restart_lost_s": med([r["restart"]["lost_s"] for r in results]),
+              "max_abs_acc_diff_points": max(abs(r["elastic_acc_diff_points"]) for r in results)}
+    if cluster is not None:
+        median.update(stall_lost_s=med([r["stall"]["lost_s"] for r in results]),
+                      stall_rejoin_s=med([r["stall"]["rejoin_s"] for r in results]),
+                      stall_max_abs_acc_diff_points=max(abs(r["stall_acc_diff_points"]) for r in results))
+    emit({"bench": "elastic", "hosts": "emulated cluster (network namespaces)" if cluster else "localhost, 127.0.0.1",
+          "train": TRAIN, "kill_at": args.kill_at, "back_at": args.back_at,
+          "gloo_timeout_s": args.gloo_timeout, "timeout_s": args.timeout, "seeds": results, "median": median},
+         args.out)
 
 
 if __name__ == "__main__":
