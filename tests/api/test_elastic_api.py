@@ -108,3 +108,19 @@ def test_a_rank_a_round_ahead_goes_back_to_its_commit_before():
     first = loop(state)
     assert opt.rounds_done() == 1 and state.batch == 3
     assert all(torch.equal(model.state_dict()[k], v) for k, v in first.items())
+
+
+def test_a_rank_that_cannot_reach_the_launcher_leaves_saying_its_host_is_cut_off(monkeypatch):
+    import socket
+    from prunex_hvd import elastic
+    with socket.socket() as server:   # the launcher's rendezvous answering: no wait
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
+        monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", str(server.getsockname()[1]))
+        elastic._reach_launcher(5.0)
+    # no one listens there now: the host is cut off once the timeout has passed
+    monkeypatch.setenv("HOROVOD_HOSTNAME", "hostB")
+    with pytest.raises(RuntimeError, match=r"host hostB cannot reach the launcher's rendezvous at 127\.0\.0\.1:\d+ "
+                                           r"for 1 s .*the others go on without it"):
+        elastic._reach_launcher(1.0)
