@@ -35,6 +35,7 @@ MPI has no fault tolerance, so a lost rank ends the job as it always does (named
 """
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import functools
 import os
@@ -232,13 +233,16 @@ def join_rendezvous() -> None:
 def _reset(state: "State") -> None:
     """Our groups down first, so that a peer still waiting on this rank in one of them fails at once rather than
     at the timeout; then Horovod down and up again (its rendezvous forms the new world). A rank that cannot reach
-    the launcher's rendezvous leaves the job (:func:`_reach_launcher`)."""
+    the launcher's rendezvous leaves the job (:func:`_reach_launcher`, tried while Horovod shuts down: on a host
+    cut off that shutdown waits for Horovod's own timeout)."""
     timeout = watchdog.default_timeout().total_seconds()
-    state.optimizer._elastic_release()
-    runtime.release()
-    hvd = _hvd()
-    hvd.shutdown()
-    _reach_launcher(timeout)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reached = pool.submit(_reach_launcher, timeout)
+        state.optimizer._elastic_release()
+        runtime.release()
+        hvd = _hvd()
+        hvd.shutdown()
+        reached.result()
     hvd.init()
 
 
