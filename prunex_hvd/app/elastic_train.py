@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .. import elastic
 from ..batchnorm import tracked_batchnorms
-from ..dist import comm, runtime
+from ..dist import comm, runtime, watchdog
 from . import checkpoint, methods, models
 from .data import ShardedLoader, load_dataset
 from .methods import PRUNEX_METHODS
@@ -61,6 +61,8 @@ def train_elastic(cfg: TrainConfig) -> Dict[str, Any]:
     if runtime.elastic_launch() and (cfg.ranks_per_node or cfg.nodes_per_rack):
         raise ValueError("--ranks-per-node / --nodes-per-rack under horovodrun's elastic mode: the hosts are the "
                          "nodes, and racks are not elastic")
+    if cfg.timeout is not None:   # every change of nodes forms the job again, with the timeout the env gives
+        os.environ[watchdog.ENV_TIMEOUT] = str(cfg.timeout)
     elastic.join_rendezvous()   # before the data and the model: the ranks already training wait for this one
     if not runtime.elastic_launch():   # fail-fast: the job is formed once, now
         px.init(backend=cfg.consensus.backend, ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout,

@@ -2,6 +2,7 @@
 the lr by epoch, and a checkpoint that resumes bit for bit. A node lost and brought back under horovodrun's
 elastic mode: tests/launch/test_elastic_launch.py."""
 import math
+import os
 import shutil
 
 import pytest
@@ -26,10 +27,13 @@ def test_the_lr_follows_the_epochs_done():
     assert lr_at(TrainConfig(elastic=True, epochs=10, lr=0.1, warmup_epochs=0, lr_schedule="constant"), 7) == 0.1
 
 
-def test_a_run_and_its_checkpoint_resumed_end_bit_for_bit(tmp_path, capsys):
+def test_a_run_and_its_checkpoint_resumed_end_bit_for_bit(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
-    assert cli.main(ARGS + ["--out", str(run), "--checkpoint-every", "7"]) == 0
+    monkeypatch.delenv("PRUNEX_TIMEOUT_S", raising=False)
+    assert cli.main(ARGS + ["--out", str(run), "--checkpoint-every", "7", "--timeout", "45"]) == 0
     assert "a lost rank ends the job" in capsys.readouterr().err
+    # every change of nodes forms the job with --timeout (through the env: the forming reads it there)
+    assert float(os.environ["PRUNEX_TIMEOUT_S"]) == 45
     rounds = [r for r in metrics(run) if r["event"] == "round"]
     # one rank: each step takes the next 32 of the epoch's 1,437 samples; the epoch's last partial batch is dropped,
     # and the run ends at the step that passes 1.5 epochs
