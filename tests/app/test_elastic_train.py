@@ -29,7 +29,7 @@ def test_the_lr_follows_the_epochs_done():
 
 def test_a_run_and_its_checkpoint_resumed_end_bit_for_bit(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
-    monkeypatch.delenv("PRUNEX_TIMEOUT_S", raising=False)
+    monkeypatch.setenv("PRUNEX_TIMEOUT_S", "600")   # (restored after the test: the run sets it)
     assert cli.main(ARGS + ["--out", str(run), "--checkpoint-every", "7", "--timeout", "45"]) == 0
     assert "a lost rank ends the job" in capsys.readouterr().err
     # every change of nodes forms the job with --timeout (through the env: the forming reads it there)
