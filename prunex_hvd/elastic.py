@@ -21,7 +21,8 @@ What happens (docs/reliability.md, "Elastic training"; the math in docs/algorith
    into memory (every round, say), and raises Horovod's ``HostsUpdatedInterrupt`` if hosts were added.
 2. A rank of another node dies, or stalls past the timeout: a collective fails on the survivors (Horovod's
    ``HorovodInternalError`` or torch.distributed's ``DistBackendError``). Each survivor goes back to its last
-   commit. Horovod drops the failed host whole (all its ranks).
+   commit. Horovod drops the failed host whole (all its ranks); a rank that cannot reach the launcher (its host
+   cut off by a stalled link) leaves the job, so that Horovod drops its host too.
 3. Horovod forms the new world; :meth:`State.sync` finds the nodes again, builds the groups over them and goes on:
    a survivor keeps its own state (θ, u, its node's z_i and v_i, z, ρ, the masks, the round); the lost node's
    duals left with it, and the next round's consensus is the mean over the nodes that remain. A joining rank takes
