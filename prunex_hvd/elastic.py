@@ -40,6 +40,7 @@ import concurrent.futures
 import copy
 import functools
 import os
+import queue
 import socket
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -104,7 +105,7 @@ class State:
         self._saved: Optional[dict] = None
         self._previous: Optional[dict] = None   # the commit before: a rank whose last commit is a round ahead
         self._reset_callbacks: List[Callable[[], None]] = []
-        self._host_messages = None
+        self._host_messages: queue.Queue = queue.Queue()   # Horovod's notifications of hosts added or removed
         self._last_updated_timestamp = 0
         self.changes: List[Dict[str, Any]] = []
         self._lost_at: Optional[float] = None   # when this rank last saw a collective fail
@@ -114,14 +115,12 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
-        import queue
         self._host_messages = queue.Queue()
         for callback in self._reset_callbacks:
             callback()
 
     def on_hosts_updated(self, timestamp, update_res) -> None:
-        if self._host_messages is not None:
-            self._host_messages.put((timestamp, update_res))
+        self._host_messages.put((timestamp, update_res))
 
     def commit(self) -> None:
         """Copy the state into memory, then check whether hosts were added (Horovod's ``HostsUpdatedInterrupt``:
@@ -135,7 +134,7 @@ class State:
         from horovod.runner.elastic.worker import HostUpdateResult
         last = prev = self._last_updated_timestamp
         update = HostUpdateResult.no_update
-        while self._host_messages is not None and not self._host_messages.empty():
+        while not self._host_messages.empty():
             timestamp, result = self._host_messages.get()
             if timestamp > last:
                 last, update = timestamp, update | result

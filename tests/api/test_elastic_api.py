@@ -124,3 +124,20 @@ def test_a_rank_that_cannot_reach_the_launcher_leaves_saying_its_host_is_cut_off
     with pytest.raises(RuntimeError, match=r"host hostB cannot reach the launcher's rendezvous at 127\.0\.0\.1:\d+ "
                                            r"for 1 s .*the others go on without it"):
         elastic._reach_launcher(1.0)
+
+
+def test_hosts_added_before_any_change_are_heard():
+    """Horovod's notification of an added host reaches a job that has not changed yet: a job started small grows
+    at its next commit."""
+    worker = pytest.importorskip("horovod.runner.elastic.worker")
+    from horovod.common.exceptions import HostsUpdatedInterrupt
+    model, opt = make()
+    state = px.elastic.State(model, opt)
+
+    @px.elastic.run
+    def loop(state):
+        state.on_hosts_updated(1.0, worker.HostUpdateResult.added)
+        with pytest.raises(HostsUpdatedInterrupt):
+            state.check_host_updates()
+        state.check_host_updates()   # heard once
+    loop(state)

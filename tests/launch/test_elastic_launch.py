@@ -2,8 +2,8 @@
 
 On the emulated cluster (benchmarks/emulated_cluster.py: hosts pxh0 and pxh1 as network namespaces behind one
 switch, 2 ranks each, horovodrun in its own namespace reaching them through an ssh stand-in), through the Python
-API (tests/workers/elastic_worker.py, committing every round): the test kills every process of host pxh1 at round
-K and takes it off the list; the survivors go on from memory (the same processes, the next round the next
+API (tests/workers/elastic_worker.py, committing every round): the job starts on pxh0 alone and grows when pxh1 is
+listed; then the test kills every process of host pxh1 at round K and takes it off the list; the survivors go on from memory (the same processes, the next round the next
 number, over one node). The host is listed again and its new ranks join. Then pxh1's link stalls (its switch port
 drops every frame; no end sees an error) and the host is taken off the list: once the collective timeout passes,
 its ranks find themselves cut off and leave, and the survivors go on. The link comes back, the host is listed and
@@ -142,19 +142,19 @@ def emulated_cluster(tmp_path):
 
 
 def cluster_launch(tmp_path, cluster, cmd, collective_timeout_s):
-    """``cmd`` under horovodrun's elastic mode, run in the launcher's namespace, on hosts pxh0:2 and pxh1:2 (the
-    file tmp_path/hosts.txt, which the test rewrites). horovodrun reaches the hosts by ``ssh``: here a stand-in
-    that runs the command inside the host's namespace (benchmarks/cluster/nsrsh). Returns (the process, the hosts
-    file)."""
+    """``cmd`` under horovodrun's elastic mode, run in the launcher's namespace, on host pxh0:2 and later also
+    pxh1:2 (the file tmp_path/hosts.txt, which the test rewrites; it starts with pxh0 alone). horovodrun reaches
+    the hosts by ``ssh``: here a stand-in that runs the command inside the host's namespace
+    (benchmarks/cluster/nsrsh). Returns (the process, the hosts file)."""
     hosts, shim = tmp_path / "hosts.txt", tmp_path / "shim"
     shim.mkdir()
     (shim / "ssh").write_text(f'#!/bin/sh\nexec {cluster.AGENT} "$@"\n')
     (shim / "ssh").chmod(0o755)
-    hosts.write_text("pxh0:2\npxh1:2\n")
+    hosts.write_text("pxh0:2\n")
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
     discover.chmod(0o755)
-    full = ["ip", "netns", "exec", cluster.LAUNCH_NS, str(BIN / "horovodrun"), "-np", "4", "--min-np", "2",
+    full = ["ip", "netns", "exec", cluster.LAUNCH_NS, str(BIN / "horovodrun"), "-np", "2", "--min-np", "2",
             "--max-np", "4", "--blacklist-cooldown-range", "1", "2", "--network-interface", "eth0",
             "--host-discovery-script", str(discover)] + cmd
     env = dict(os.environ, **dict(ROOT_ENV, HOROVOD_GLOO_TIMEOUT_SECONDS=str(GLOO_TIMEOUT_S),
@@ -173,7 +173,7 @@ def worker_pids(out: Path) -> dict:
     return {host: sorted(p) for host, p in found.items()}
 
 
-def test_on_the_emulated_cluster_a_killed_host_and_a_stalled_link_cost_a_round_and_the_host_comes_back(
+def test_on_the_emulated_cluster_a_job_grows_and_a_killed_host_and_a_stalled_link_cost_a_round(
         tmp_path, emulated_cluster):
     cluster, out = emulated_cluster, tmp_path / "out"
     out.mkdir()
@@ -183,6 +183,11 @@ def test_on_the_emulated_cluster_a_killed_host_and_a_stalled_link_cost_a_round_a
     deadline = time.monotonic() + 420
     events = {}
     with ended_on_failure(proc):
+        # 0. the job starts on pxh0 alone and grows: pxh1 listed, its ranks join
+        wait_for("round 2", lambda: len(progress(out)) >= 2, proc, deadline)
+        hosts.write_text("pxh0:2\npxh1:2\n")
+        events["grown"] = time.time()
+        wait_for("pxh1's ranks", lambda: ranks_now(4), proc, deadline)
         # 1. every process of pxh1 killed: the survivors go on over pxh0
         wait_for(f"round {KILL_AT}", lambda: len(progress(out)) >= KILL_AT, proc, deadline)
         first_pids = worker_pids(out)
@@ -214,7 +219,7 @@ def test_on_the_emulated_cluster_a_killed_host_and_a_stalled_link_cost_a_round_a
     # the survivors are the processes that started the job: they went on from memory, not from a restart
     assert sorted(f["pid"] for f in survivors) == first_pids["pxh0"], (finals, first_pids)
     for f in survivors:
-        assert [(c["ranks"], c["nodes"]) for c in f["changes"]] == [(4, 2), (2, 1), (4, 2), (2, 1), (4, 2)], \
+        assert [(c["ranks"], c["nodes"]) for c in f["changes"]] == [(2, 1), (4, 2), (2, 1), (4, 2), (2, 1), (4, 2)], \
             f["changes"]
     assert not {f["pid"] for f in finals if f["host"] == "pxh1"} & set(first_pids["pxh1"])
     assert "host pxh1 cannot reach the launcher's rendezvous" in stdout, stdout[-6000:]
@@ -226,12 +231,13 @@ def test_on_the_emulated_cluster_a_killed_host_and_a_stalled_link_cost_a_round_a
     assert all(b >= a for a, b in zip(rounds, rounds[1:])), rounds
     # the first round over every new set of nodes (the start included) matched the reference round
     firsts = [p for i, p in enumerate(lines) if i == 0 or p["ranks"] != lines[i - 1]["ranks"]]
-    assert [p["ranks"] for p in firsts] == [4, 2, 4, 2, 4] and all(p["checked"] for p in firsts), firsts
-    lost_s, stall_s = firsts[1]["time"] - events["killed"], firsts[3]["time"] - events["stalled"]
+    assert [p["ranks"] for p in firsts] == [2, 4, 2, 4, 2, 4] and all(p["checked"] for p in firsts), firsts
+    lost_s, stall_s = firsts[2]["time"] - events["killed"], firsts[4]["time"] - events["stalled"]
     assert lost_s < GLOO_TIMEOUT_S + 30, lost_s
-    print(f"emulated cluster: killed host: {lost_s:.1f} s to the next round; listed again: "
-          f"{firsts[2]['time'] - events['listed']:.1f} s; stalled link: {stall_s:.1f} s; back: "
-          f"{firsts[4]['time'] - events['back']:.1f} s")
+    print(f"emulated cluster: grown: {firsts[1]['time'] - events['grown']:.1f} s to the first round over 2 hosts; "
+          f"killed host: {lost_s:.1f} s to the next round; listed again: "
+          f"{firsts[3]['time'] - events['listed']:.1f} s; stalled link: {stall_s:.1f} s; back: "
+          f"{firsts[5]['time'] - events['back']:.1f} s")
 
 
 def test_the_command_line_goes_on_without_a_node_and_its_checkpoint_resumes_bit_for_bit(tmp_path):
