@@ -35,23 +35,31 @@ def _round(eng, model, opt, rank_id, steps_done):
     return before, cases.snapshot(eng)
 
 
-@pytest.mark.parametrize("levers", [{}, {"payload_dtype": "bf16", "node_sync": True}], ids=["float", "bf16"])
-def test_a_lost_node_and_a_joining_one_go_on_as_the_reference_says(levers):
-    config = cases.paper_config(sparsity="channel:0.5", freeze_round=None, **levers)
-    models = [cases.make_model("chain", r) for r in range(3 * P)]
-    joiner_models = [cases.make_model("chain", 50 + r) for r in range(P)]   # another start: it must not matter
+def _two_rounds(config, nodes):
+    """``nodes`` × P thread ranks, each with its own model (seed = rank), build their engines and run two rounds;
+    returns (models, engines, optimizers, structure), by rank."""
+    models = [cases.make_model("chain", r) for r in range(nodes * P)]
     structure = Structure.resolve(models[0], config)
     native.module()
     engines, opts = {}, {}
 
-    # 1. three nodes, two rounds
     def first(rank):
         r = rank.topo.rank
         engines[r] = HSADMM(models[r], rank.topo, rank.groups, config, structure, ledger=rank.ledger)
         opts[r] = cases.sgd(models[r])
         for k in range(2):
             _round(engines[r], models[r], opts[r], r, k * cases.LOCAL_STEPS)
-    run_ranks(3, P, first)
+    run_ranks(nodes, P, first)
+    return models, engines, opts, structure
+
+
+@pytest.mark.parametrize("levers", [{}, {"payload_dtype": "bf16", "node_sync": True}], ids=["float", "bf16"])
+def test_a_lost_node_and_a_joining_one_go_on_as_the_reference_says(levers):
+    config = cases.paper_config(sparsity="channel:0.5", freeze_round=None, **levers)
+    joiner_models = [cases.make_model("chain", 50 + r) for r in range(P)]   # another start: it must not matter
+
+    # 1. three nodes, two rounds
+    models, engines, opts, structure = _two_rounds(config, 3)
 
     # 2. node 2 is lost: ranks 0..3 go on over two nodes from memory; their round is the reference's over them
     survivors = thread_cluster(2, P, keep_records=True)
@@ -137,18 +145,7 @@ def test_a_joiner_with_another_model_or_no_holder_is_refused_on_every_rank():
                                          "freeze_round": 0}], ids=["paper", "default"])
 def test_down_to_one_node_the_dual_across_nodes_is_dropped_and_the_round_is_the_one_node_round(levers):
     config = cases.paper_config(**{"sparsity": "channel:0.5", "freeze_round": None, **levers})
-    models = [cases.make_model("chain", r) for r in range(2 * P)]
-    structure = Structure.resolve(models[0], config)
-    native.module()
-    engines, opts = {}, {}
-
-    def first(rank):
-        r = rank.topo.rank
-        engines[r] = HSADMM(models[r], rank.topo, rank.groups, config, structure, ledger=rank.ledger)
-        opts[r] = cases.sgd(models[r])
-        for k in range(2):
-            _round(engines[r], models[r], opts[r], r, k * cases.LOCAL_STEPS)
-    run_ranks(2, P, first)
+    models, engines, opts, _ = _two_rounds(config, 2)
     assert any(e.v.any() for e in engines[0].entries)   # two nodes left node 0 with a dual
 
     def after_loss(rank):
