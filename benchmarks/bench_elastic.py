@@ -82,13 +82,9 @@ class Job:
         mark = f'touch {self.pids_dir}/$HOROVOD_HOSTNAME.$$ && exec "$@"'
         wrapped = cmd if cluster else ["sh", "-c", mark, "sh"] + cmd
         prefix, nic, env = [], [], dict(os.environ, **ENV)
-        if cluster:   # horovodrun in the launcher's namespace, reaching the hosts through nsrsh as its ssh
-            shim = work / "shim"
-            shim.mkdir(exist_ok=True)
-            (shim / "ssh").write_text(f'#!/bin/sh\nexec {cluster.AGENT} "$@"\n')
-            (shim / "ssh").chmod(0o755)
-            prefix, nic = ["ip", "netns", "exec", cluster.LAUNCH_NS], ["--network-interface", "eth0"]
-            env.update(PXC_HOSTS=" ".join(self.names), PATH=f"{shim}:{env.get('PATH', '')}")
+        if cluster:
+            prefix, nic, more_env = cluster.horovodrun_in_cluster(str(work), list(self.names))
+            env.update(more_env)
         if elastic:
             discover = work / "discover.sh"
             discover.write_text(f"#!/bin/sh\ncat {self.hosts}\n")

@@ -92,7 +92,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -152,10 +152,10 @@ def parse_ms(text: str) -> float:
 def preflight() -> Optional[str]:
     if os.geteuid() != 0:
         return "must run as root (it creates network namespaces, veth links, a bridge and tc qdiscs)"
-    missing = [t for t in ("ip", "tc", "unshare", "mpirun") if shutil.which(t) is None]
+    missing = [t for t in ("ip", "tc", "bridge", "unshare", "mpirun") if shutil.which(t) is None]
     if missing:
-        return (f"missing tool(s): {', '.join(missing)} (need iproute2's ip and tc, util-linux's unshare and "
-                "Open MPI's mpirun)")
+        return (f"missing tool(s): {', '.join(missing)} (need iproute2's ip, tc and bridge, util-linux's unshare "
+                "and Open MPI's mpirun)")
     if not os.access(AGENT, os.X_OK):
         return f"the rsh agent {AGENT} is missing or not executable"
     r = sh("ip", "netns", "list", check=False, capture=True)
@@ -232,6 +232,19 @@ def teardown() -> List[str]:
 
 
 # ---------------------------------------------------------------- build and shape
+
+def horovodrun_in_cluster(work_dir: str, hosts: List[str]) -> Tuple[List[str], List[str], Dict[str, str]]:
+    """How ``horovodrun`` runs on this cluster: in the launcher's namespace, on the hosts' ``eth0``, reaching
+    ``hosts`` through the rsh agent as its ``ssh`` (a folder in ``work_dir`` holding an ``ssh`` that calls it,
+    first on PATH). Returns the command prefix, horovodrun's own arguments and the environment to add."""
+    shim = os.path.join(work_dir, "ssh-shim")
+    os.makedirs(shim, exist_ok=True)
+    with open(os.path.join(shim, "ssh"), "w") as f:
+        f.write(f'#!/bin/sh\nexec {AGENT} "$@"\n')
+    os.chmod(os.path.join(shim, "ssh"), 0o755)
+    return (["ip", "netns", "exec", LAUNCH_NS], ["--network-interface", "eth0"],
+            {"PXC_HOSTS": " ".join(hosts), "PATH": f"{shim}:{os.environ.get('PATH', '')}"})
+
 
 def set_link(host: int, up: bool, hosts: int, racks: int = 1) -> None:
     """Stall host ``host``'s link (``up=False``: its switch port drops every frame, both ways, and neither end

@@ -110,25 +110,15 @@ def kill_host(hosts, pids, host="127.0.0.1"):
     return time.time()
 
 
-def netns_missing():
-    """Why the emulated cluster cannot be built here, or None."""
-    if os.geteuid() != 0:
-        return "the emulated cluster needs root (network namespaces, veth, a bridge)"
-    missing = [t for t in ("ip", "bridge", "unshare") if shutil.which(t) is None]
-    if missing:
-        return f"the emulated cluster needs {', '.join(missing)} (iproute2, util-linux)"
-    return None
-
-
 @pytest.fixture
 def emulated_cluster(tmp_path):
     """Hosts pxh0 and pxh1 (2 network namespaces behind a switch; the launcher in its own), torn down after."""
-    why = netns_missing()
-    if why:
-        pytest.skip(why)
     spec = importlib.util.spec_from_file_location("emulated_cluster", BENCH / "emulated_cluster.py")
     cluster = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cluster)
+    why = cluster.preflight()
+    if why:
+        pytest.skip(f"the emulated cluster cannot be built here: {why}")
     cluster.teardown()
     try:
         cluster.build(2, 1500)
@@ -146,20 +136,17 @@ def cluster_launch(tmp_path, cluster, cmd, collective_timeout_s):
     pxh1:2 (the file tmp_path/hosts.txt, which the test rewrites; it starts with pxh0 alone). horovodrun reaches
     the hosts by ``ssh``: here a stand-in that runs the command inside the host's namespace
     (benchmarks/cluster/nsrsh). Returns (the process, the hosts file)."""
-    hosts, shim = tmp_path / "hosts.txt", tmp_path / "shim"
-    shim.mkdir()
-    (shim / "ssh").write_text(f'#!/bin/sh\nexec {cluster.AGENT} "$@"\n')
-    (shim / "ssh").chmod(0o755)
+    hosts = tmp_path / "hosts.txt"
     hosts.write_text("pxh0:2\n")
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
     discover.chmod(0o755)
-    full = ["ip", "netns", "exec", cluster.LAUNCH_NS, str(BIN / "horovodrun"), "-np", "2", "--min-np", "2",
-            "--max-np", "4", "--blacklist-cooldown-range", "1", "2", "--network-interface", "eth0",
-            "--host-discovery-script", str(discover)] + cmd
+    prefix, nic, more_env = cluster.horovodrun_in_cluster(str(tmp_path), ["pxh0", "pxh1"])
+    full = prefix + [str(BIN / "horovodrun"), "-np", "2", "--min-np", "2", "--max-np", "4",
+                     "--blacklist-cooldown-range", "1", "2", "--host-discovery-script", str(discover)] + nic + cmd
     env = dict(os.environ, **dict(ROOT_ENV, HOROVOD_GLOO_TIMEOUT_SECONDS=str(GLOO_TIMEOUT_S),
-                                  PRUNEX_TIMEOUT_S=str(collective_timeout_s), PXC_HOSTS="pxh0 pxh1"))
-    env["PATH"] = f"{shim}:{BIN}:{env.get('PATH', '')}"
+                                  PRUNEX_TIMEOUT_S=str(collective_timeout_s)), **more_env)
+    env["PATH"] = f"{BIN}:{env['PATH']}"
     return subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True), hosts
 
