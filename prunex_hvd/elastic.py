@@ -47,7 +47,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .dist import runtime, watchdog
+from .dist import launch, runtime, watchdog
+from .dist.node_commits import NodeCommits
 from .optimizer import say
 
 __all__ = ["State", "run", "join_rendezvous"]
@@ -109,6 +110,8 @@ class State:
         self._last_updated_timestamp = 0
         self.changes: List[Dict[str, Any]] = []
         self._lost_at: Optional[float] = None   # when this rank last saw a collective fail
+        # torchrun restarts every worker on a change of nodes: commits go to the node's shared memory too
+        self._node_commits = NodeCommits() if _under_torchrun() else None
 
     # -- Horovod's State protocol (horovod.common.elastic.State) ------------------------------------------
     def register_reset_callbacks(self, callbacks: List[Callable[[], None]]) -> None:
@@ -144,11 +147,20 @@ class State:
             raise HostsUpdatedInterrupt(update == HostUpdateResult.removed)
 
     def save(self) -> None:
-        """This rank's model, optimizer (and engine) and values, copied in memory; no communication."""
+        """This rank's model, optimizer (and engine) and values, copied in memory (under torchrun also to the
+        node's shared memory, for the worker its agent starts next); no communication."""
         self._previous = self._saved
         self._saved = {"model": copy.deepcopy(self.model.state_dict()),
                        "optimizer": self.optimizer._elastic_snapshot(),
                        "values": {n: self._value(n) for n in self._names}}
+        if self._node_commits is not None:
+            self._node_commits.write(self.optimizer.rounds_done(), self._saved)
+
+    def reload(self) -> None:
+        """torchrun: take up the commits this rank's predecessor on the node left (its agent restarted the
+        workers); a worker with none (a node new to the job) keeps what it has. No communication."""
+        self._saved, self._previous = self._node_commits.read()
+        self.restore()
 
     def restore(self, previous: bool = False) -> None:
         """Back to the last :meth:`save` (``previous``: the one before it); no communication. A rank that never
@@ -167,10 +179,11 @@ class State:
         """Collective over the processes Horovod has now: form the nodes and their groups, go on from memory
         where a rank has a state, hand the job's state to the ranks that join, then :meth:`save`. Returns (and
         appends to :attr:`changes`) what changed."""
-        topo = runtime.form(self.optimizer._config.backend)
+        # under torchrun the agent formed the world when it started this worker
+        topo = runtime.topology() if self._node_commits is not None else runtime.form(self.optimizer._config.backend)
         self.check_nodes(topo)
         control = runtime.state()[1]
-        holds = self.optimizer._hsadmm is not None
+        holds = self._saved is not None
         rows = control.allgather_object((holds, self.optimizer.rounds_done() if holds else None))
         rounds = sorted({r for h, r in rows if h})
         # a failure can strike between one rank's commit of a round and another's: the ranks a round ahead go
@@ -178,12 +191,13 @@ class State:
         if len(rounds) == 2 and rounds[1] == rounds[0] + 1 and holds and self.optimizer.rounds_done() == rounds[1] \
                 and self._previous is not None:
             self.restore(previous=True)
+        holds = self._settle(topo, control, holds)
         opt = self.optimizer
         rows = control.allgather_object((holds, opt._step_count_local if holds else None,
                                          opt._config if holds else None))
         holders = [r for r, (h, _, _) in enumerate(rows) if h]
         root = holders[0] if holders else 0
-        report = opt._elastic_form(bool(holders), rows[root][1] or 0, rows[root][2])
+        report = opt._elastic_form(holds, bool(holders), rows[root][1] or 0, rows[root][2])
         values = control.broadcast_object({n: self._value(n) for n in self._names}, root=root)
         if not holds and holders:   # a joining rank takes the job's values
             for name, value in values.items():
@@ -198,6 +212,15 @@ class State:
         self._lost_at = None
         self.save()
         return change
+
+    def _settle(self, topo, control, holds: bool) -> bool:
+        """Collective: whether this rank goes on from its state (:func:`nodes_going_on`); a rank that does not
+        drops it and joins."""
+        rows = control.allgather_object((topo.node, self.optimizer.rounds_done() if holds else None))
+        keeps = topo.node in nodes_going_on(rows)
+        if holds and not keeps:
+            self._saved = self._previous = None
+        return keeps
 
     def reset(self) -> None:
         pass
@@ -221,6 +244,28 @@ class State:
             current.load_state_dict(value)
         else:
             setattr(self, name, value)
+
+
+def nodes_going_on(rows: List[tuple]) -> set:
+    """The nodes that go on from their state, from every rank's (node, round of its state or None) row: those
+    whose every rank holds a state at the newest such round. A node behind it (under torchrun, one cut off that
+    comes back with its old commits) or whose ranks differ joins afresh, whole: a node's ranks share z_i and v_i.
+    Refused if ranks hold a state but no node qualifies."""
+    by_node: Dict[int, set] = {}
+    for node, round_ in rows:
+        by_node.setdefault(node, set()).add(round_)
+    whole = {n: next(iter(r)) for n, r in by_node.items() if len(r) == 1 and None not in r}
+    if not whole:
+        if any(r is not None for _, r in rows):
+            raise ValueError("elastic: no node has every rank's state at one round (the ranks that trained share "
+                             "their nodes with ranks that did not): resume from the last checkpoint")
+        return set()
+    newest = max(whole.values())
+    return {n for n, r in whole.items() if r == newest}
+
+
+def _under_torchrun() -> bool:
+    return launch.detect() == "torchrun"
 
 
 def join_rendezvous() -> None:
@@ -270,15 +315,41 @@ def _reach_launcher(timeout: float) -> None:
             time.sleep(0.5)
 
 
+RDZV_STORE_SHARING = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def _run_under_torchrun(state: "State", func: Callable, *args, **kwargs):
+    """torchrun's elastic agent restarts every worker on a change of nodes: a worker goes on from the commits its
+    node's previous worker left in shared memory (:meth:`State.reload`), forms the nodes with the others
+    (:meth:`State.sync`) and calls ``func`` once. A lost peer ends this worker (the watchdog, or the failed
+    collective), and the agent starts the next one."""
+    if not runtime.is_initialized():
+        runtime.init(state.optimizer._config.backend)
+    control = runtime.state()[1]
+    control.agree(None if os.environ.get(RDZV_STORE_SHARING) == "1" else
+                  f"elastic under torchrun needs {RDZV_STORE_SHARING}=1 in the launch's environment: with the "
+                  "rendezvous store shared with the workers (torch's default), a node that joins a running job "
+                  "waits for an address nobody writes until the rendezvous times out", ValueError)
+    watchdog.set_way_back("torchrun's agent starts the workers again; they go on from this node's last commit")
+    state.reload()
+    state.sync()
+    result = func(state, *args, **kwargs)
+    state._node_commits.clear()
+    return result
+
+
 def run(func: Callable) -> Callable:
     """Decorate the training function ``func(state, ...)``: under horovodrun's elastic mode it is called again
-    over the nodes left (or grown) whenever they change, from the state as last committed; elsewhere it is called
-    once (fail-fast: a lost rank ends the job)."""
+    over the nodes left (or grown) whenever they change, from the state as last committed; under torchrun each
+    worker its agent (re)starts calls it once, from its node's last commit; elsewhere it is called once
+    (fail-fast: a lost rank ends the job)."""
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
         if not isinstance(state, State):
             raise ValueError(f"@prunex_hvd.elastic.run: the first argument must be a prunex_hvd.elastic.State, "
                              f"got {type(state).__name__}")
+        if state._node_commits is not None:
+            return _run_under_torchrun(state, func, *args, **kwargs)
         if not runtime.elastic_launch():
             if runtime.launcher_rank() == 0:
                 say("elastic: not under horovodrun's elastic mode (--host-discovery-script): a lost rank ends the "
@@ -287,7 +358,7 @@ def run(func: Callable) -> Callable:
                 runtime.init(state.optimizer._config.backend)
             state.check_nodes(runtime.topology())
             if state.optimizer._hsadmm is None:
-                state.optimizer._elastic_form(False, 0)
+                state.optimizer._elastic_form(False, False, 0)
             topo = runtime.topology()
             state.changes.append({"nodes": topo.num_nodes, "ranks": topo.size, "round": state.optimizer.rounds_done(),
                                   "joined": [], "fresh": True, "lost_s": None})

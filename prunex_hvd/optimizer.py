@@ -77,18 +77,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._hsadmm
 
     # -- elastic (prunex_hvd.elastic): no communication but in _elastic_form ---------------------------------
-    def _elastic_form(self, anyone_holds: bool, steps: int, config: Optional[ConsensusConfig] = None) -> dict:
+    def _elastic_form(self, holds: bool, anyone_holds: bool, steps: int,
+                      config: Optional[ConsensusConfig] = None) -> dict:
         """Collective, on the nodes the runtime has just formed. A fresh job builds the engine (rank 0's model
-        broadcast); a rank with a state goes on from it over the new nodes; a joining rank takes the job's settings
-        (``config``: its round length may have been resolved over other ranks), builds its engine from its model
-        and takes the job's state and step count (``steps``, the holders')."""
-        if self._hsadmm is None and anyone_holds and config is not None:
+        broadcast) unless construction did; a rank that ``holds`` a state goes on from it over the new nodes; a
+        joining rank takes the job's settings (``config``: its round length may have been resolved over other
+        ranks), builds its engine from its model and takes the job's state and step count (``steps``, the
+        holders')."""
+        if not holds and anyone_holds and config is not None:
             self._config, self._local_steps = config, config.local_steps
         topo, groups = self._job()
         if not anyone_holds:
-            self._hsadmm = HSADMM(self._model, topo, groups, self._config, self._structure)
+            if self._hsadmm is None:   # (under torchrun construction built it)
+                self._hsadmm = HSADMM(self._model, topo, groups, self._config, self._structure)
             return {"joined": [], "round": 0}
-        if self._hsadmm is not None:
+        if holds:
             joining.reform(self._hsadmm, topo, groups)
             return joining.welcome(self._hsadmm, joined=False)
         engine = joining.joiner(HSADMM, self._model, topo, groups, self._config, self._structure)
@@ -106,13 +109,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """This rank's optimizer and engine state, copied in memory (no communication; the engine's state dict is
         a copy already)."""
         return {"optimizer": copy.deepcopy(super(self.__class__, self).state_dict()),
-                "engine": self._engine.state_dict(), "steps": self._step_count_local}
+                "engine": self._engine.state_dict(), "steps": self._step_count_local, "config": self._config}
 
     def _elastic_restore(self, snapshot: dict) -> None:
         """Back to :meth:`_elastic_snapshot` (no communication; load the model's state first). The optimizer's
         state is loaded from a copy: torch's ``load_state_dict`` may keep the tensors it is given, which later steps
         change; the engine copies what it loads."""
         super(self.__class__, self).load_state_dict(copy.deepcopy(snapshot["optimizer"]))
+        # the job's settings as committed (a worker torchrun restarted resolved its own over another world)
+        self._config, self._local_steps = snapshot["config"], snapshot["config"].local_steps
+        self._engine.config = self._config
         self._engine.load_state_dict(snapshot["engine"])
         self._step_count_local = snapshot["steps"]
 

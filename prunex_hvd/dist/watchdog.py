@@ -33,6 +33,13 @@ from .net import reachable_address
 ENV_TIMEOUT = "PRUNEX_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 EXIT_CODE = 75   # EX_TEMPFAIL: try again (resume from the last checkpoint)
+_way_back = "resume from the last checkpoint (--resume)"   # what the stop message tells the user to do
+
+
+def set_way_back(text: str) -> None:
+    """What the stop message says comes next (elastic training under torchrun: the agent restarts the workers)."""
+    global _way_back
+    _way_back = text
 
 _current: Optional["Watchdog"] = None
 _collective_timeout: Optional[float] = None   # set_collective_timeout()
@@ -299,7 +306,7 @@ class Watchdog:
                 why = f"{why}; {self._missing(answer)}"
                 tell = True
         sys.stderr.write(f"[rank {self.rank}] prunex_hvd watchdog: {why}. Exiting with code {EXIT_CODE}; "
-                         f"resume from the last checkpoint (--resume)\n")
+                         f"{_way_back}\n")
         sys.stderr.flush()
         sys.stdout.flush()
         said = time.monotonic()

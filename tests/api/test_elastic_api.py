@@ -2,6 +2,7 @@
 fail-fast path outside horovodrun's elastic mode, and the refusals. A node lost and joined for real:
 tests/launch/test_elastic_launch.py; the math of it: tests/engine/test_elastic_threads.py."""
 import copy
+import os
 
 import pytest
 import torch
@@ -14,8 +15,9 @@ pytestmark = pytest.mark.usefixtures("single_process")   # conftest.py
 
 def make(**kw):
     model = toy_cnn(0)
+    kw.setdefault("local_steps", 3)
     opt = px.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
-                                  sparsity="channel:0.5", local_steps=3, **kw)
+                                  sparsity="channel:0.5", **kw)
     return model, opt
 
 
@@ -141,3 +143,103 @@ def test_hosts_added_before_any_change_are_heard():
             state.check_host_updates()
         state.check_host_updates()   # heard once
     loop(state)
+
+
+def test_the_nodes_that_go_on_are_those_whose_every_rank_holds_the_newest_round():
+    from prunex_hvd.elastic import nodes_going_on
+    assert nodes_going_on([(0, 7), (0, 7), (1, 7), (1, 7)]) == {0, 1}
+    assert nodes_going_on([(0, 7), (0, 7), (1, None), (1, None)]) == {0}                # node 1 joins
+    assert nodes_going_on([(0, 9), (0, 9), (1, 4), (1, 4)]) == {0}                      # node 1 cut off, behind
+    assert nodes_going_on([(0, 9), (0, 9), (1, 9), (1, None), (2, 9)]) == {0, 2}         # a node joins whole
+    assert nodes_going_on([(0, None), (1, None)]) == set()                              # a fresh job
+    with pytest.raises(ValueError, match="no node has every rank's state at one round"):
+        nodes_going_on([(0, 3), (0, None), (1, 2), (1, 3)])
+
+
+@pytest.fixture
+def node_commits(tmp_path, monkeypatch):
+    """A NodeCommits in tmp_path, as torchrun's worker of local rank 1 in run 'job/1' would make it."""
+    from prunex_hvd.dist.node_commits import NodeCommits
+
+    def make_commits():
+        with monkeypatch.context() as env:   # (only while it is made: the rest of the test is no torchrun launch)
+            env.setenv("TORCHELASTIC_RUN_ID", "job/1")
+            env.setenv("LOCAL_RANK", "1")
+            return NodeCommits(root=str(tmp_path))
+    return make_commits
+
+
+def test_node_commits_keep_the_last_two_rounds_and_forget_agents_that_are_gone(tmp_path, node_commits):
+    import subprocess
+    import sys
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / f"prunex_hvd-commits-job_1-{gone}").mkdir()          # an agent that ended: removed
+    (tmp_path / "prunex_hvd-commits-job_1-1").mkdir()                # pid 1 lives: kept
+    (tmp_path / f"prunex_hvd-commits-other-{gone}").mkdir()          # another run's: not ours to remove
+    commits = node_commits()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prunex_hvd-commits-job_1-1",
+                                                          f"prunex_hvd-commits-other-{gone}"]
+    assert commits.read() == (None, None)
+    for round_, value in [(1, "a"), (2, "b"), (2, "b2"), (3, "c")]:
+        commits.write(round_, {"value": value})
+    assert commits.read() == ({"value": "c"}, {"value": "b2"})
+    assert sorted(os.listdir(commits.dir)) == ["rank1.round2.pt", "rank1.round3.pt"]
+    assert node_commits().read() == ({"value": "c"}, {"value": "b2"})   # the next worker of the same agent
+    commits.clear()
+    assert not os.path.exists(commits.dir)
+
+
+def test_a_commit_that_cannot_be_written_says_how_to_make_room(node_commits, monkeypatch):
+    import errno
+    commits = node_commits()
+    commits.write(1, {"value": 1})
+
+    def full(obj, path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(RuntimeError, match=r"could not be written .*No space left.*docker run --shm-size"):
+        commits.write(2, {"value": 2})
+    monkeypatch.undo()
+    assert commits.read() == ({"value": 1}, None)   # the commit before stands
+
+
+def test_a_restarted_worker_takes_up_its_node_commit_bit_for_bit(node_commits, monkeypatch):
+    """torchrun: what one worker commits, the next worker of its agent (a new process: a new model, optimizer and
+    State) takes up whole, the job's settings included. The launch must not share torch's rendezvous store."""
+    from prunex_hvd.dist import watchdog
+    monkeypatch.setattr(watchdog, "_way_back", watchdog._way_back)
+    model, opt = make()
+    state = px.elastic.State(model, opt, batch=0)
+    state._node_commits = node_commits()
+
+    class Stopped(Exception):
+        pass
+
+    @px.elastic.run
+    def loop(state):
+        train(model, opt, 6)
+        state.batch = 6
+        state.commit()
+        raise Stopped   # as torchrun's agent stops a worker: before the job's end, which clears the commits
+    with pytest.raises(ValueError, match="elastic under torchrun needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        loop(state)
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    with pytest.raises(Stopped):
+        loop(state)
+    assert sorted(os.listdir(state._node_commits.dir)) == ["rank1.round0.pt", "rank1.round2.pt"]
+    model2, opt2 = make(local_steps=5)   # this worker resolved another round length
+    state2 = px.elastic.State(model2, opt2, batch=0)
+    state2._node_commits = node_commits()
+    state2.reload()
+    assert state2.batch == 6 and opt2.rounds_done() == 2 and opt2.local_steps == 3
+    assert all(torch.equal(model2.state_dict()[k], v) for k, v in model.state_dict().items())
+    a, b = opt.state_dict(), opt2.state_dict()
+    for name, entry in a["prunex"]["entries"].items():
+        for key in ("u", "z_i", "v", "z"):
+            assert torch.equal(b["prunex"]["entries"][name][key], entry[key]), (name, key)
+    train(model, opt, 3)
+    train(model2, opt2, 3)
+    assert all(torch.equal(model2.state_dict()[k], v) for k, v in model.state_dict().items())
+    px.elastic.run(lambda state: None)(state2)   # a job that ends clears its commits
+    assert not os.path.exists(state2._node_commits.dir)

@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 
 from launching import BIN, ROOT_ENV, horovodrun, needs_horovod, python_cmd, run
+from prunex_hvd.dist import node_commits
+from prunex_hvd.dist.net import free_port
 from training_job import assert_same_run, metrics
 
 pytestmark = [pytest.mark.launch, needs_horovod]
@@ -45,14 +47,16 @@ def progress(out: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def wait_for(what, predicate, proc, deadline):
+def wait_for(what, predicate, proc, deadline, told=None):
+    """Until ``predicate()``; failing, with what the launch printed (``told()``, else its stdout), if ``proc``
+    ends first or ``deadline`` passes."""
+    told = told or (lambda: proc.stdout.read()[-6000:])
     while not predicate():
         if proc.poll() is not None:
-            pytest.fail(f"the job ended (exit {proc.returncode}) while waiting for {what}:\n"
-                        f"{proc.stdout.read()[-6000:]}")
+            pytest.fail(f"the job ended (exit {proc.returncode}) while waiting for {what}:\n{told()}")
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"timed out waiting for {what}:\n{proc.stdout.read()[-6000:]}")
+            pytest.fail(f"timed out waiting for {what}:\n{told()}")
         time.sleep(0.2)
 
 
@@ -225,6 +229,71 @@ def test_on_the_emulated_cluster_a_job_grows_and_a_killed_host_and_a_stalled_lin
           f"killed host: {lost_s:.1f} s to the next round; listed again: "
           f"{firsts[3]['time'] - events['listed']:.1f} s; stalled link: {stall_s:.1f} s; back: "
           f"{firsts[5]['time'] - events['back']:.1f} s")
+
+
+TORCHRUN_ROUNDS = 30
+
+
+def torchrun_agent(out: Path, host: str, port: int, log: Path):
+    """One node of an elastic torchrun job (1 to 2 nodes of 2 ranks, rendezvous at 127.0.0.1:``port``): its agent,
+    running tests/workers/elastic_worker.py as ``host``. The rendezvous notices a lost node within about 3 s."""
+    env = dict(os.environ, **ROOT_ENV, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PRUNEX_TIMEOUT_S=str(STALL_TIMEOUT_S),
+               PX_TEST_HOST=host, OMP_NUM_THREADS="1")
+    cmd = [str(BIN / "torchrun"), "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "3",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"px-elastic-{port}",
+           "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+           "--monitor-interval", "0.5"] + python_cmd("elastic_worker.py", str(out), str(TORCHRUN_ROUNDS), "0.1")[1:]
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def test_under_torchrun_a_killed_node_costs_a_restart_from_the_node_commits_and_a_new_one_joins(tmp_path):
+    """torchrun's agents restart every worker on a change of nodes: the survivors' new workers go on from what
+    their predecessors committed in the node's shared memory, not from round 0 and not from a checkpoint."""
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    logs = {h: tmp_path / f"{h}.log" for h in ("hA", "hB", "hB2")}
+    agents = {"hA": torchrun_agent(out, "hA", port, logs["hA"])}
+    time.sleep(1)   # hA hosts the rendezvous
+    agents["hB"] = torchrun_agent(out, "hB", port, logs["hB"])
+    ranks_now = lambda n: progress(out) and progress(out)[-1]["ranks"] == n   # noqa: E731
+    told = lambda: "\n".join(f"--- {h}\n{p.read_text()[-3000:]}" for h, p in logs.items() if p.exists())  # noqa
+    deadline = time.monotonic() + 240
+    try:
+        wait_for(f"round {KILL_AT}", lambda: len(progress(out)) >= KILL_AT, agents["hA"], deadline, told)
+        first_pids = worker_pids(out)
+        killed = time.time()
+        os.killpg(agents["hB"].pid, signal.SIGKILL)   # node hB: its agent and its workers
+        for pid in first_pids["hB"]:
+            os.kill(pid, signal.SIGKILL)
+        wait_for("the survivors' rounds after the kill", lambda: ranks_now(2), agents["hA"], deadline, told)
+        listed = time.time()
+        agents["hB2"] = torchrun_agent(out, "hB2", port, logs["hB2"])
+        for host in ("hA", "hB2"):
+            assert agents[host].wait(timeout=max(1.0, deadline - time.monotonic())) == 0, told()
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+
+    finals = [json.loads((out / "final" / f"rank{r}.json").read_text()) for r in range(4)]
+    assert {f["rounds"] for f in finals} == {TORCHRUN_ROUNDS}
+    assert len({f["checksum"] for f in finals}) == 1, finals   # one consensus model everywhere
+    assert sorted(f["host"] for f in finals) == ["hA", "hA", "hB2", "hB2"]
+    # hA's workers were restarted twice (the loss, the join), each time going on from the node's commits
+    assert not {f["pid"] for f in finals} & set(first_pids["hA"])
+    assert all(f["changes"][0]["fresh"] is False for f in finals), finals
+    lines = progress(out)
+    rounds = [p["round"] for p in lines]
+    assert set(rounds) == set(range(1, TORCHRUN_ROUNDS + 1)), rounds   # no round skipped
+    assert all(b >= a for a, b in zip(rounds, rounds[1:])), rounds     # at most the round in progress again
+    firsts = [p for i, p in enumerate(lines) if i == 0 or p["ranks"] != lines[i - 1]["ranks"]]
+    assert [p["ranks"] for p in firsts] == [4, 2, 4] and all(p["checked"] for p in firsts), firsts
+    assert firsts[1]["round"] >= KILL_AT, firsts   # from the commits: nothing further back than the round lost
+    leftover = [p for p in Path(node_commits.SHM).glob(f"{node_commits.PREFIX}px-elastic-{port}-*")]
+    assert not leftover, leftover   # the job's end cleared the commits
+    print(f"torchrun: killed node: {firsts[1]['time'] - killed:.1f} s to the next round; new node: "
+          f"{firsts[2]['time'] - listed:.1f} s to the first round over 2 nodes")
 
 
 def test_the_command_line_goes_on_without_a_node_and_its_checkpoint_resumes_bit_for_bit(tmp_path):

@@ -35,7 +35,7 @@ def batch(host: str, local_rank: int, index: int):
 
 def main():
     out, rounds, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-    host = os.environ.get("HOROVOD_HOSTNAME", socket.gethostname())
+    host = os.environ.get("HOROVOD_HOSTNAME") or os.environ.get("PX_TEST_HOST") or socket.gethostname()
     os.makedirs(os.path.join(out, "pids"), exist_ok=True)
     open(os.path.join(out, "pids", f"{host}.{os.getpid()}"), "w").close()
     torch.manual_seed(0)
