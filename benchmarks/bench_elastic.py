@@ -26,6 +26,7 @@ compared with the clean run of the same seed. Prints one JSON document."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -40,7 +41,7 @@ from benchjson import emit
 
 BIN = Path(sys.executable).parent
 HERE = Path(__file__).resolve().parent
-TRAIN = ["--model", "resnet_small", "--dataset", "digits", "--image-size", "8", "--epochs", "6", "--local-steps", "3",
+TRAIN = ["--model", "resnet_small", "--dataset", "digits", "--image-size", "8", "--epochs", "10", "--local-steps", "3",
          "--batch-size", "16", "--threads", "1", "--checkpoint-every", "1"]
 ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONUNBUFFERED": "1",
        "HOROVOD_GLOO_TIMEOUT_SECONDS": "30"}
@@ -132,33 +133,125 @@ class Job:
             raise
 
 
+class TorchrunJob:
+    """An elastic torchrun job: one agent per host (2 ranks each; ``--nnodes 1:2``), the c10d rendezvous at the
+    first host's address; on the emulated cluster each agent runs in its host's namespace, else both on this
+    machine. The rendezvous notices a lost agent within 3 s (``keep_alive_*``) and closes a round 2 s after its
+    first nodes are in (``last_call_timeout``)."""
+
+    def __init__(self, work: Path, cmd: list, cluster=None):
+        self.cluster, self.work, self.cmd = cluster, work, cmd
+        host = f"{cluster.SUBNET}.1" if cluster else "127.0.0.1"
+        self.rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{29500 + os.getpid() % 400}",
+                           "--rdzv-id", f"bench{time.monotonic_ns()}"]
+        self.agents: dict = {}
+        self.start(0)
+        time.sleep(1)   # the first agent hosts the rendezvous
+        self.start(1)
+        self.proc, self.log = self.agents[0]
+
+    def start(self, k: int) -> float:
+        prefix, args, env = [], [], dict(os.environ, **ENV, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        if self.cluster:
+            prefix, args, more_env = self.cluster.torchrun_on_host(k)
+            env.update(more_env)
+        # is_host: the first agent serves the rendezvous (said, not guessed from the machine's host name)
+        conf = f"last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,is_host={int(k == 0)}"
+        launch = [str(BIN / "torchrun"), "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "10",
+                  "--monitor-interval", "0.5", "--rdzv-conf", conf] + self.rendezvous + args + self.cmd
+        log = open(self.work / f"torchrun{k}-{time.monotonic_ns()}.txt", "w")
+        self.agents[k] = (subprocess.Popen(prefix + launch, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                           start_new_session=True), log)
+        return time.time()
+
+    def kill_host(self) -> float:
+        """The second host's agent and workers killed."""
+        agent = self.agents[1][0]
+        if self.cluster:
+            self.cluster.kill_namespace_processes(["pxh1"])
+        else:
+            workers = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
+            for pid in [agent.pid] + [int(w) for w in workers]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        killed = time.time()
+        agent.wait()
+        return killed
+
+    def list_hosts(self, n: int) -> float:
+        """The second host's agent started again (a node that comes back)."""
+        return self.start(1)
+
+    def stall_host(self, stalled: bool) -> float:
+        """The second host's link stalls, or comes back (and its agent is started again if it gave up)."""
+        self.cluster.set_link(1, up=not stalled, hosts=2)
+        if not stalled and self.agents[1][0].poll() is not None:
+            return self.start(1)
+        return time.time()
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        codes = []
+        for agent, _ in self.agents.values():
+            try:
+                codes.append(agent.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                for other, _ in self.agents.values():
+                    if other.poll() is None:
+                        os.killpg(other.pid, signal.SIGKILL)
+                raise
+        return codes[0]
+
+
 def until(predicate, job: Job, timeout: float = 300) -> float:
     deadline = time.monotonic() + timeout
     while not predicate():
         if job.proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the job ended or stalled (exit {job.proc.poll()}); see {job.log.name}")
+            raise RuntimeError(f"the job ended or stalled (exit {job.proc.poll()}):\n{told(job)}")
         time.sleep(0.05)
     return time.time()
+
+
+def told(job) -> str:
+    """The end of what the job's launcher(s) printed."""
+    logs = [log for _, log in job.agents.values()] if isinstance(job, TorchrunJob) else [job.log]
+    out = []
+    for log in logs:
+        log.flush()
+        out.append(f"--- {log.name}\n" + Path(log.name).read_text()[-4000:])
+    return "\n".join(out)
+
+
+def finished(job) -> None:
+    code = job.wait(600)
+    if code != 0:
+        raise RuntimeError(f"the job ended with exit {code}:\n{told(job)}")
 
 
 def summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
 
 
-def clean(work: Path, seed: int, cluster) -> dict:
-    run = work / f"clean{seed}"
-    job = Job(work, [str(BIN / "prunex-hvd"), "train", "--elastic", *TRAIN, "--seed", str(seed), "--out", str(run)],
-              elastic=True, cluster=cluster)
-    assert job.wait(600) == 0, job.log.name
+def elastic_job(work: Path, run: Path, seed: int, cluster, launcher: str):
+    cmd = [str(BIN / "prunex-hvd"), "train", "--elastic", *TRAIN, "--seed", str(seed), "--out", str(run)]
+    return TorchrunJob(work, cmd, cluster) if launcher == "torchrun" else Job(work, cmd, elastic=True, cluster=cluster)
+
+
+def clean(work: Path, seed: int, cluster, launcher: str = "horovodrun") -> dict:
+    run = work / f"clean-{launcher}{seed}"
+    job = elastic_job(work, run, seed, cluster, launcher)
+    finished(job)
     s = summary(run)
     return {"final_test_acc": s["final_test_acc"], "rounds": s["rounds"], "wall_s": s["wall_s"]}
 
 
-def elastic(work: Path, seed: int, kill_at: int, back_at: int, cluster, fault: str = "kill") -> dict:
+def elastic(work: Path, seed: int, kill_at: int, back_at: int, cluster, fault: str = "kill",
+            launcher: str = "horovodrun") -> dict:
     """``fault``: "kill" (every process of the host) or "stall" (its link)."""
-    run = work / f"{fault}{seed}"
-    job = Job(work, [str(BIN / "prunex-hvd"), "train", "--elastic", *TRAIN, "--seed", str(seed), "--out", str(run)],
-              elastic=True, cluster=cluster)
+    run = work / f"{fault}-{launcher}{seed}"
+    job = elastic_job(work, run, seed, cluster, launcher)
     until(lambda: sum(r["event"] == "round" for r in rounds(run)) >= kill_at, job)
     struck = job.kill_host() if fault == "kill" else job.stall_host(True)
     seen = until(lambda: any(r["event"] == "round" and r["ranks"] == 2 for r in rounds(run)), job)
@@ -170,7 +263,7 @@ def elastic(work: Path, seed: int, kill_at: int, back_at: int, cluster, fault: s
         grown = [k for k, r in enumerate(lines) if r["event"] == "nodes" and r["ranks"] == 4]
         return bool(grown) and any(r["event"] == "round" for r in lines[grown[-1]:])
     joined = until(rejoined, job)
-    assert job.wait(600) == 0, job.log.name
+    finished(job)
     s = summary(run)
     lost_round = next(r for r in rounds(run) if r["event"] == "nodes")
     return {"lost_s": seen - struck, "rejoin_s": joined - listed, "lost_at_round": lost_round["round"],
@@ -192,10 +285,24 @@ def restart(work: Path, seed: int, kill_at: int, cluster, timeout: int) -> dict:
     seen = until(lambda: (run / "metrics.jsonl").stat().st_ino != old_file and
                  any(r["step"] > saved_step for r in rounds(run)), job)
     resumed_at = rounds(run)[-1]["round"]
-    assert job.wait(600) == 0, job.log.name
+    finished(job)
     s = summary(run)
     return {"lost_s": seen - killed, "ended_s": ended - killed, "resumed_at_round": resumed_at,
             "final_test_acc": s["final_test_acc"], "rounds": s["rounds"]}
+
+
+# each scenario: (work dir, seed, the command line's args, the cluster or None) -> its row
+SCENARIOS = {
+    "clean": lambda w, seed, a, c: clean(w, seed, c),
+    "elastic": lambda w, seed, a, c: elastic(w, seed, a.kill_at, a.back_at, c),
+    "restart": lambda w, seed, a, c: restart(w, seed, a.kill_at, c, a.timeout),
+    "stall": lambda w, seed, a, c: elastic(w, seed, a.kill_at, a.back_at, c, fault="stall"),
+    "torchrun_clean": lambda w, seed, a, c: clean(w, seed, c, launcher="torchrun"),
+    "torchrun": lambda w, seed, a, c: elastic(w, seed, a.kill_at, a.back_at, c, launcher="torchrun"),
+    "torchrun_stall": lambda w, seed, a, c: elastic(w, seed, a.kill_at, a.back_at, c, fault="stall",
+                                                    launcher="torchrun"),
+}
+FAULTS = {"elastic": "clean", "stall": "clean", "torchrun": "torchrun_clean", "torchrun_stall": "torchrun_clean"}
 
 
 def main() -> None:
@@ -209,6 +316,10 @@ def main() -> None:
                    help="the library's timeout (PRUNEX_TIMEOUT_S / --timeout): the watchdog's under a restart, a "
                         "collective's under elastic training")
     p.add_argument("--local", action="store_true", help="localhost and 127.0.0.1 instead of the emulated cluster")
+    p.add_argument("--scenarios", default=None,
+                   help=f"a comma-separated subset of {','.join(SCENARIOS)} (default: all; the stalls need the "
+                        "emulated cluster)")
+    p.add_argument("--work", default=None, help="keep the runs and the launchers' logs in this folder")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     ENV.update(HOROVOD_GLOO_TIMEOUT_SECONDS=str(args.gloo_timeout), PRUNEX_TIMEOUT_S=str(args.timeout))
@@ -220,35 +331,42 @@ def main() -> None:
         cluster.teardown()
         cluster.build(2, 1500)
     seeds = [int(s) for s in args.seeds.split(",")]
+    chosen = args.scenarios.split(",") if args.scenarios else list(SCENARIOS)
+    unknown = set(chosen) - set(SCENARIOS)
+    if unknown:
+        sys.exit(f"bench_elastic: unknown scenario(s) {sorted(unknown)}; there are {list(SCENARIOS)}")
+    if cluster is None:
+        chosen = [c for c in chosen if "stall" not in c]   # a stalled link needs the emulated cluster
     results = []
     try:
-        with tempfile.TemporaryDirectory(prefix="bench_elastic") as tmp:
+        with (contextlib.nullcontext(args.work) if args.work else tempfile.TemporaryDirectory(prefix="bench_elastic")) \
+                as tmp:
             for seed in seeds:
                 work = Path(tmp) / f"seed{seed}"
-                work.mkdir()
-                row = {"seed": seed, "clean": clean(work, seed, cluster),
-                       "elastic": elastic(work, seed, args.kill_at, args.back_at, cluster),
-                       "restart": restart(work, seed, args.kill_at, cluster, args.timeout)}
-                if cluster is not None:
-                    row["stall"] = elastic(work, seed, args.kill_at, args.back_at, cluster, fault="stall")
-                for fault in ("elastic", "stall"):
-                    if fault in row:
+                work.mkdir(parents=True)
+                row = {"seed": seed}
+                for name in chosen:
+                    row[name] = SCENARIOS[name](work, seed, args, cluster)
+                for fault, baseline in FAULTS.items():
+                    if fault in row and baseline in row:
                         row[f"{fault}_acc_diff_points"] = 100 * (row[fault]["final_test_acc"]
-                                                                  - row["clean"]["final_test_acc"])
+                                                                  - row[baseline]["final_test_acc"])
                 results.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
         if cluster is not None:
             cluster.teardown()
     med = lambda xs: sorted(xs)[len(xs) // 2]   # noqa: E731
-    median = {"elastic_lost_s": med([r["elastic"]["lost_s"] for r in results]),
-              "elastic_rejoin_s": med([r["elastic"]["rejoin_s"] for r in results]),
-              "restart_lost_s": med([r["restart"]["lost_s"] for r in results]),
-              "max_abs_acc_diff_points": max(abs(r["elastic_acc_diff_points"]) for r in results)}
-    if cluster is not None:
-        median.update(stall_lost_s=med([r["stall"]["lost_s"] for r in results]),
-                      stall_rejoin_s=med([r["stall"]["rejoin_s"] for r in results]),
-                      stall_max_abs_acc_diff_points=max(abs(r["stall_acc_diff_points"]) for r in results))
+    median = {}
+    for name in chosen:
+        for key in ("lost_s", "rejoin_s"):
+            if key in results[0][name]:
+                median[f"{name}_{key}"] = med([r[name][key] for r in results])
+    for fault in FAULTS:
+        diffs = [r[f"{fault}_acc_diff_points"] for r in results if f"{fault}_acc_diff_points" in r]
+        if diffs:
+            median[f"{fault}_max_abs_acc_diff_points"] = max(map(abs, diffs))
+            median[f"{fault}_mean_acc_diff_points"] = sum(diffs) / len(diffs)
     emit({"bench": "elastic", "hosts": "emulated cluster (network namespaces)" if cluster else "localhost, 127.0.0.1",
           "train": TRAIN, "kill_at": args.kill_at, "back_at": args.back_at,
           "gloo_timeout_s": args.gloo_timeout, "timeout_s": args.timeout, "seeds": results, "median": median},

@@ -246,6 +246,14 @@ def horovodrun_in_cluster(work_dir: str, hosts: List[str]) -> Tuple[List[str], L
             {"PXC_HOSTS": " ".join(hosts), "PATH": f"{shim}:{os.environ.get('PATH', '')}"})
 
 
+def torchrun_on_host(host: int) -> Tuple[List[str], List[str], Dict[str, str]]:
+    """How a ``torchrun`` agent runs on host ``pxh{host}``: inside its namespace, announcing its own address to the
+    rendezvous (the machine's host name resolves to none of ours) and Gloo on ``eth0``. Returns the command
+    prefix, torchrun's own arguments and the environment to add."""
+    return (["ip", "netns", "exec", f"pxh{host}"], ["--local-addr", f"{SUBNET}.{host + 1}"],
+            {"GLOO_SOCKET_IFNAME": "eth0"})
+
+
 def set_link(host: int, up: bool, hosts: int, racks: int = 1) -> None:
     """Stall host ``host``'s link (``up=False``: its switch port drops every frame, both ways, and neither end
     sees an error, as when a cable or a switch dies) or bring it back."""

@@ -13,7 +13,9 @@ next round. Built on Horovod Elastic (``horovodrun --host-discovery-script``, it
 
     train(state)
 
-launched as ``horovodrun -np 8 --min-np 4 --max-np 8 --host-discovery-script ./hosts.sh python train.py``.
+launched as ``horovodrun -np 8 --min-np 4 --max-np 8 --host-discovery-script ./hosts.sh python train.py``, or on
+every node as ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:4 --max-restarts 100 --rdzv-backend c10d
+...  train.py``.
 
 What happens (docs/reliability.md, "Elastic training"; the math in docs/algorithm.md, "Nodes lost and joined"):
 
@@ -30,7 +32,11 @@ What happens (docs/reliability.md, "Elastic training"; the math in docs/algorith
    with zero duals and zero momentum.
 4. The decorated function is called again: its loop goes on from the values as committed.
 
-Outside an elastic launch (``mpirun``, a plain ``horovodrun``, ``torchrun``) :func:`run` calls the function once:
+Under torchrun its agent restarts every worker on a change of nodes, so a commit also goes to the node's shared
+memory (:mod:`.dist.node_commits`) and the new worker takes it up before step 3; the function is called once per
+worker. A node behind the newest round (one cut off that comes back) joins afresh.
+
+Outside an elastic launch (``mpirun``, a plain ``horovodrun``) :func:`run` calls the function once:
 MPI has no fault tolerance, so a lost rank ends the job as it always does (named by the watchdog), and
 ``--resume`` from the last checkpoint is the way back.
 """
@@ -206,8 +212,10 @@ class State:
                   "joined": report.get("joined", []), "fresh": not holders,
                   "lost_s": None if self._lost_at is None else time.perf_counter() - self._lost_at}
         self.changes.append(change)
-        if topo.rank == 0 and (holders and (report.get("joined") or self.changes[:-1])):
+        restarted = self._node_commits is not None and bool(holders)   # torchrun's agent started these workers again
+        if topo.rank == 0 and (holders and (report.get("joined") or self.changes[:-1] or restarted)):
             say(f"elastic: going on over {topo.num_nodes} node(s), {topo.size} rank(s), at round {change['round']}"
+                + (" from the nodes' commits" if restarted else "")
                 + (f"; rank(s) {','.join(map(str, report['joined']))} joined" if report.get("joined") else ""))
         self._lost_at = None
         self.save()

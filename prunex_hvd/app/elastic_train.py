@@ -1,8 +1,9 @@
 """``prunex-hvd train --elastic``: the training job of :mod:`.train` as elastic training (:mod:`prunex_hvd.elastic`).
 
 Under ``horovodrun``'s elastic mode a lost node costs the round in progress, not the job, and a node that comes
-back joins at the next round; under any other launch the job runs once and a lost rank ends it (fail-fast, then
-``--resume``). What differs from :func:`.train.train`:
+back joins at the next round; under ``torchrun`` its agent restarts the workers, which go on from their node's
+commits; under any other launch the job runs once and a lost rank ends it (fail-fast, then ``--resume``). What
+differs from :func:`.train.train`:
 
 * **Data by a cursor.** Each epoch has one order of the whole training set (:meth:`ShardedLoader.permutation`);
   the job keeps a cursor, the samples of the epoch it has consumed, and each step rank r of W takes the r-th block
@@ -69,7 +70,8 @@ def train_elastic(cfg: TrainConfig) -> Dict[str, Any]:
                 nodes_per_rack=cfg.nodes_per_rack)
     local_rank = int(os.environ.get("HOROVOD_LOCAL_RANK", os.environ.get("LOCAL_RANK", 0)))
     device = _pick_device(cfg.device, local_rank)
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("HOROVOD_LOCAL_SIZE", 1))))
+    ranks_here = os.environ.get("HOROVOD_LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", 1))   # horovodrun, torchrun
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // int(ranks_here)))
     data = load_dataset(cfg.dataset, data_dir=cfg.data_dir,
                         image_size=cfg.image_size or models.default_image_size(cfg.model), seed=cfg.seed)
     if cfg.augment is not None:
