@@ -1,13 +1,14 @@
 """What a lost node costs: elastic training against a restart from the last checkpoint, side by side.
 
     sudo python benchmarks/bench_elastic.py --seeds 0,1,2 [--kill-at 6] [--back-at 14] [--gloo-timeout 10] \
-        [--timeout 10] [--local] [--out FILE]
+        [--timeout 10] [--local] [--scenarios clean,elastic,...] [--work DIR] [--out FILE]
 
 Two hosts × 2 ranks on the emulated cluster of ``emulated_cluster.py`` (hosts pxh0 and pxh1 as network namespaces
 behind one switch, unshaped; horovodrun in the launcher's namespace reaches them through ``cluster/nsrsh`` as its
-``ssh``), or with ``--local`` on this machine's ``localhost`` and ``127.0.0.1`` (Horovod treats them as two hosts;
-no root needed). The same ``prunex-hvd train`` job (resnet_small on the digits at 8×8, a round every 3 steps, a
-checkpoint every round) runs four ways per seed:
+``ssh``; a torchrun agent runs in each host's namespace), or with ``--local`` on this machine's ``localhost`` and
+``127.0.0.1`` (Horovod treats them as two hosts; two torchrun agents; no root needed). The same ``prunex-hvd
+train`` job (resnet_small on the digits at 8×8, a round every 3 steps, a checkpoint every round) runs these ways
+per seed:
 
 * **clean**: ``--elastic`` under ``horovodrun``'s elastic mode, no fault;
 * **elastic**: the same; every process of the second host killed (SIGKILL) once round ``--kill-at`` is logged and
@@ -19,10 +20,13 @@ checkpoint every round) runs four ways per seed:
   then the cut-off ranks leave);
 * **restart**: the job without ``--elastic`` under ``horovodrun --gloo`` (``--timeout``); the same kill ends it (the
   watchdog), and it is launched again with ``--resume`` on both hosts. Lost: seconds from the kill to the first
-  round the resumed job logs.
+  round the resumed job logs;
+* **torchrun_clean**, **torchrun**, **torchrun_stall**: clean, elastic and stall under ``torchrun --nnodes 1:2``
+  (c10d rendezvous at the first host, ``--max-restarts 10``): the kill takes the second host's agent with its
+  workers, and the host comes back as a new agent started there (after a stall, if its agent gave up).
 
-Seconds are observed by polling ``metrics.jsonl`` every 0.05 s. The final accuracy of the elastic and stall runs is
-compared with the clean run of the same seed. Prints one JSON document."""
+Seconds are observed by polling ``metrics.jsonl`` every 0.05 s. The final accuracy of each faulted run is compared
+with the clean run of its launcher and seed. Prints one JSON document."""
 from __future__ import annotations
 
 import argparse
