@@ -19,19 +19,35 @@ HOSTS = "localhost:2,127.0.0.1:2"
 REFUSED_FIRST = {"hvd-then-px": "hvd-then-px-horovod", "hvd-only": "hvd-only-wrap-horovod"}
 
 
-@pytest.fixture(scope="module")
-def order_jobs(tmp_path_factory):
-    """order -> (its horovodrun job, its out folder), launched on first use."""
-    jobs = {}
+def order_job(out, order):
+    first = ["--refused-first", REFUSED_FIRST[order]] if order in REFUSED_FIRST else []
+    return run(horovodrun(4, HOSTS, python_cmd("hvd_order_worker.py", "--order", order, *first, "--out", str(out))),
+               timeout=240), out
 
-    def job(order):
-        if order not in jobs:
-            out = tmp_path_factory.mktemp(order)
-            first = ["--refused-first", REFUSED_FIRST[order]] if order in REFUSED_FIRST else []
-            jobs[order] = run(horovodrun(4, HOSTS, python_cmd("hvd_order_worker.py", "--order", order, *first,
-                                                              "--out", str(out))), timeout=240), out
-        return jobs[order]
-    return job
+
+def launched_order(item):
+    """The order whose job ``item`` (a test of this module taking ``order_jobs``) reads, else None."""
+    if "order_jobs" not in getattr(item, "fixturenames", ()) or not hasattr(item, "callspec"):
+        return None
+    order = item.callspec.params["order"]
+    return {refused: then for then, refused in REFUSED_FIRST.items()}.get(order, order)
+
+
+@pytest.fixture(scope="module")
+def order_jobs(request, tmp_path_factory):
+    """order -> (its horovodrun job, its out folder). On first use, the jobs of every order the session's tests
+    read start, two at a time, in the tests' order: each job is a launch of its own (a fresh hvd.init), and
+    much of a launch is horovodrun's start-up and teardown, which two launches overlap."""
+    from concurrent.futures import ThreadPoolExecutor
+    wanted = list(dict.fromkeys(filter(None, map(launched_order, request.session.items))))
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {order: pool.submit(order_job, tmp_path_factory.mktemp(order), order) for order in wanted}
+
+        def job(order):
+            if order not in jobs:
+                jobs[order] = pool.submit(order_job, tmp_path_factory.mktemp(order), order)
+            return jobs[order].result()
+        yield job
 
 
 @needs_horovod

@@ -20,8 +20,12 @@ pytestmark = [pytest.mark.launch, needs_mpirun]
 FAULT = ["python", "fault_worker.py"]
 # A launch on this 2-core host can take 20-40 s under load; a timeout well above the ranks' start-up skew
 TIMEOUT_S = 30
-SMALL = ["--model", "resnet_small", "--dataset", "digits", "--image-size", "8", "--epochs", "1", "--local-steps", "3",
-         "--batch-size", "16", "--threads", "1", "--timeout", str(TIMEOUT_S)]
+# A stall is seen only when the timeout runs out, so the stalled jobs wait it out: theirs is shorter (the watchdog
+# is armed only inside collectives, which the ranks enter together after init: the launch's start-up never counts)
+STALL_TIMEOUT_S = 15
+SMALL_JOB = ["--model", "resnet_small", "--dataset", "digits", "--image-size", "8", "--epochs", "1",
+             "--local-steps", "3", "--batch-size", "16", "--threads", "1"]
+SMALL = SMALL_JOB + ["--timeout", str(TIMEOUT_S)]
 
 
 def fault_cmd(out, fault, rank, at_round):
@@ -132,7 +136,8 @@ def test_ranks_at_different_step_counts_are_refused_in_the_round(shared_launch, 
 
 
 def stalled_job(tmp_path, launcher, rank):
-    cmd = fault_cmd(tmp_path, "stop", rank, 2) + ["train", *SMALL, "--out", str(tmp_path / "run")]
+    cmd = fault_cmd(tmp_path, "stop", rank, 2) + ["train", *SMALL_JOB, "--timeout", str(STALL_TIMEOUT_S),
+                                                  "--out", str(tmp_path / "run")]
     full = mpirun(4, cmd, NODES2) if launcher == "mpirun" else horovodrun(4, "localhost:2,127.0.0.1:2", cmd)
     try:
         proc = run(full, timeout=240)
@@ -145,54 +150,79 @@ def stalled_job(tmp_path, launcher, rank):
 STALLS = [("mpirun", 3), pytest.param("horovodrun", 0, marks=needs_horovod)]
 
 
+def killed_in_flight_job(tmp_path):
+    cmd = fault_cmd(tmp_path, "kill-in-flight", 2, 2) + ["train", *SMALL, "--overlap", "on", "--freeze-round", "0",
+                                                         "--out", str(tmp_path / "run")]
+    proc = run(mpirun(4, cmd, NODES2), timeout=240)
+    return proc, since_fault(tmp_path)
+
+
+def killed_under_horovodrun_job(tmp_path):
+    cmd = fault_cmd(tmp_path, "kill", 3, 2) + ["train", *SMALL, "--out", str(tmp_path / "run")]
+    proc = run(horovodrun(4, "localhost:2,127.0.0.1:2", cmd), timeout=240)
+    return proc, since_fault(tmp_path)
+
+
+# the killed jobs' tests: {test: (its job, whether it needs Horovod)}
+KILLED = {"test_a_rank_killed_with_an_exchange_in_flight_is_named": (killed_in_flight_job, False),
+          "test_a_killed_rank_under_horovodrun_is_named": (killed_under_horovodrun_job, True)}
+
+
 @pytest.fixture(scope="module")
-def stalled_jobs(tmp_path_factory):
-    """The stalled jobs of the test below, run at the same time: each spends most of its time waiting for the
-    timeout. {(launcher, rank): (the job, seconds from the stop to its end)}."""
+def fault_jobs(request, tmp_path_factory):
+    """The jobs of the stall and kill tests below that this session runs, launched on first use: {(launcher,
+    rank) or test name: the future of (the job, seconds from the fault to its end)}. A stalled job spends most of
+    its time waiting for its timeout: the stalled jobs run at the same time, and the killed ones start once the
+    stalled ones wait (or have ended), in that wait."""
     from concurrent.futures import ThreadPoolExecutor
-    cases = [("mpirun", 3)] + ([("horovodrun", 0)] if have_horovod() else [])
-    with ThreadPoolExecutor(len(cases)) as pool:
-        jobs = {case: pool.submit(stalled_job, tmp_path_factory.mktemp(f"stalled-{case[0]}"), *case)
-                for case in cases}
-    return {case: job.result() for case, job in jobs.items()}
+    tests = {item.originalname for item in request.session.items if getattr(item, "module", None) is not None
+             and item.module.__name__ == __name__}
+    stalls = [("mpirun", 3)] + ([("horovodrun", 0)] if have_horovod() else [])
+    stalls = stalls if "test_a_stalled_rank_is_named_by_every_other_rank" in tests else []
+    kills = [test for test, (_, hvd) in KILLED.items() if test in tests and (have_horovod() or not hvd)]
+    folders = {case: tmp_path_factory.mktemp(f"stalled-{case[0]}") for case in stalls}
+    with ThreadPoolExecutor(max(1, len(stalls) + len(kills))) as pool:
+        jobs = {case: pool.submit(stalled_job, folders[case], *case) for case in stalls}
+        while not all(jobs[case].done() or (folders[case] / "fault.pid").exists() for case in stalls):
+            time.sleep(0.2)
+        for test in kills:
+            jobs[test] = pool.submit(KILLED[test][0], tmp_path_factory.mktemp(test[len("test_"):][:30]))
+        yield jobs
 
 
 @pytest.mark.parametrize("launcher,rank", STALLS)
-def test_a_stalled_rank_is_named_by_every_other_rank(stalled_jobs, launcher, rank):
+def test_a_stalled_rank_is_named_by_every_other_rank(fault_jobs, launcher, rank):
     """Rank R stops (SIGSTOP) in the middle of round 2: its process lives on, the launcher sees nothing. Every
     other rank's watchdog stops the job after the timeout, naming it (rank 0 stalled: its hub is silent)."""
-    proc, took = stalled_jobs[launcher, rank]
+    proc, took = fault_jobs[launcher, rank].result()
     assert proc.returncode != 0
     said = watchdog_lines(proc.stdout)
     others = set(range(4)) - {rank}
     assert others <= set(said), proc.stdout[-4000:]
     if rank == 0:   # no hub: each rank finds rank 0 silent on its own
         for r in others:
-            assert re.search(rf"consensus round 2 did not complete within {TIMEOUT_S} s; rank 0 does not answer",
-                             said[r])
+            assert re.search(rf"consensus round 2 did not complete within {STALL_TIMEOUT_S} s; rank 0 does not "
+                             r"answer", said[r])
     else:
         # whoever times out first names rank 3; the rest stop with one of them (two ranks timing out within
         # the same moment each name rank 3 themselves)
         first = [r for r in others if "which reports" not in said[r]]
         assert first, said
         for r in first:
-            assert re.search(rf"consensus round 2 did not complete within {TIMEOUT_S} s; .*rank 3 is silent for "
-                             r"\d+ s \(stopped or hung\)", said[r]), said
+            assert re.search(rf"consensus round 2 did not complete within {STALL_TIMEOUT_S} s; .*rank 3 is "
+                             r"silent for \d+ s \(stopped or hung\)", said[r]), said
         relayed = "|".join(map(str, first))
         assert all(re.search(rf"stopping with rank ({relayed}), which reports", said[r])
                    for r in others - set(first)), said
-    assert TIMEOUT_S / 2 < took < TIMEOUT_S + SLACK_S, took   # it waited for the timeout, not much longer
+    assert STALL_TIMEOUT_S / 2 < took < STALL_TIMEOUT_S + SLACK_S, took   # waited for the timeout, not much longer
     print(f"{launcher}, rank {rank} stopped mid-round: the job ended {took:.1f} s after the stop")
 
 
-def test_a_rank_killed_with_an_exchange_in_flight_is_named(tmp_path):
+def test_a_rank_killed_with_an_exchange_in_flight_is_named(fault_jobs):
     """overlap (the masks chosen at the start: every round overlaps): rank 2, node 1's leader, is killed while
     round 2's inter-node exchange is in flight (its local steps run). Rank 0 waits for that exchange when round 3
     folds it in: the watchdog names the dead rank and the job ends within the bound, not at the timeout."""
-    cmd = fault_cmd(tmp_path, "kill-in-flight", 2, 2) + ["train", *SMALL, "--overlap", "on", "--freeze-round", "0",
-                                                         "--out", str(tmp_path / "run")]
-    proc = run(mpirun(4, cmd, NODES2), timeout=240)
-    took = since_fault(tmp_path)
+    proc, took = fault_jobs["test_a_rank_killed_with_an_exchange_in_flight_is_named"].result()
     assert proc.returncode != 0
     assert re.search(r"rank 2 died \(its process is gone\)|process rank 2 with PID \d+ .*exited on signal 9",
                      proc.stdout), proc.stdout[-4000:]
@@ -201,12 +231,10 @@ def test_a_rank_killed_with_an_exchange_in_flight_is_named(tmp_path):
 
 
 @needs_horovod
-def test_a_killed_rank_under_horovodrun_is_named(tmp_path):
+def test_a_killed_rank_under_horovodrun_is_named(fault_jobs):
     """Rank 3 killed (SIGKILL) in the middle of round 2 under horovodrun --gloo (torch gloo groups): the
     others' collectives fail, the watchdog names the dead rank, the job ends within seconds."""
-    cmd = fault_cmd(tmp_path, "kill", 3, 2) + ["train", *SMALL, "--out", str(tmp_path / "run")]
-    proc = run(horovodrun(4, "localhost:2,127.0.0.1:2", cmd), timeout=240)
-    took = since_fault(tmp_path)
+    proc, took = fault_jobs["test_a_killed_rank_under_horovodrun_is_named"].result()
     assert proc.returncode != 0
     said = watchdog_lines(proc.stdout)
     # rank 3 named: by the watchdogs, unless horovodrun saw the death and ended the others first

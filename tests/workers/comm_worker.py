@@ -30,6 +30,29 @@ def error_line(exc):
     return f"[rank {launch_rank(0)}] prunex_hvd error: {type(exc).__name__}: {exc}"
 
 
+def write_whole(path, text):
+    """Write PATH so that it never exists half written (another rank may see it and exit, and the launcher
+    then kills this one)."""
+    tmp = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def wait_for_every_rank_s_error(out, most_s):
+    """Until every rank of the launch has written its OUT/error.rank{R}.txt (and a moment more, for the
+    launcher to forward what they printed), at most ``most_s`` seconds: what a rank waits before its exit
+    makes the launcher end the others. Without OUT, or without the launch's size, the whole ``most_s``."""
+    size = next((int(os.environ[v]) for v in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE")
+                 if v in os.environ), None)
+    deadline = time.monotonic() + most_s
+    while time.monotonic() < deadline:
+        if out and size and all(os.path.exists(os.path.join(out, f"error.rank{r}.txt")) for r in range(size)):
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            return
+        time.sleep(0.1)
+
+
 def try_init(px, cases, out):
     for case in cases:
         folder = os.path.join(out, case)
@@ -153,14 +176,13 @@ def main():
     except Exception as exc:  # noqa: BLE001 - reported to the parent test, with the rank
         message = error_line(exc)
         if a.out:   # a file per rank: launchers may split lines of different ranks into each other
-            with open(os.path.join(a.out, f"error.rank{launch_rank(0)}.txt"), "w") as f:
-                f.write(message)
+            write_whole(os.path.join(a.out, f"error.rank{launch_rank(0)}.txt"), message)
         print(message, flush=True)
         traceback.print_exc()
         sys.stdout.flush()
         # the launcher aborts the whole job at the first non-zero exit: give every rank (on a loaded 2-core
         # CI host) time to reach its own error before this one exits
-        time.sleep(8)
+        wait_for_every_rank_s_error(a.out, most_s=8)
         sys.exit(3)
     if a.out:
         worker_io.report(a.out, topo.rank, result, len(result["backends"]))
