@@ -13,6 +13,7 @@ from typing import List
 
 import torch
 
+from ..launch import wait_politely
 from .base import Communicator, Groups, build_groups, staged_on_cpu
 
 def _hvd():
@@ -40,6 +41,14 @@ class HorovodCommunicator(Communicator):
         dims = "x".join(map(str, shape)) or "scalar"
         return f"prunex.{self.tier}.{self.ranks[0]}x{self.size}.{op}.{str(tensor.dtype)[6:]}.{dims}"
 
+    def _wait(self, handle, tensor):
+        """The op's result once it is done. Horovod's own wait spins: on CPU, ranks sharing cores would take them
+        from the background threads that run the ops (a 4-rank engine round on 2 cores: 18 s spinning, 6 s
+        polled), so a CPU op is polled with a short growing sleep first. A GPU op waits Horovod's way (latency)."""
+        if tensor.device.type == "cpu":
+            wait_politely(lambda: self.hvd.poll(handle), max_sleep=2e-3)
+        return self.hvd.synchronize(handle)
+
     def _maybe_stage(self, fn, tensor, *args):
         if tensor.device.type != "cpu" and not self.gpu_ops:
             return staged_on_cpu(fn)(self, tensor, *args)
@@ -49,8 +58,8 @@ class HorovodCommunicator(Communicator):
         self._maybe_stage(HorovodCommunicator._allreduce_impl, tensor, op)
 
     def _allreduce_impl(self, tensor, op):
-        self.hvd.allreduce_(tensor, op=self._op(op), name=self._name("allreduce", tensor),
-                            process_set=self.process_set)
+        self._wait(self.hvd.allreduce_async_(tensor, op=self._op(op), name=self._name("allreduce", tensor),
+                                             process_set=self.process_set), tensor)
 
     def _op(self, op):
         return {"avg": self.hvd.Average, "max": self.hvd.Max}.get(op, self.hvd.Sum)
@@ -67,7 +76,7 @@ class HorovodCommunicator(Communicator):
 
         def finish():
             try:
-                self.hvd.synchronize(handle)
+                self._wait(handle, tensor)
             finally:
                 self._outstanding -= 1
         return finish
@@ -76,7 +85,8 @@ class HorovodCommunicator(Communicator):
         self._maybe_stage(HorovodCommunicator._bor_impl, mask)
 
     def _bor_impl(self, mask):
-        self.hvd.allreduce_(mask, op=self.hvd.Max, name=self._name("bor", mask), process_set=self.process_set)
+        self._wait(self.hvd.allreduce_async_(mask, op=self.hvd.Max, name=self._name("bor", mask),
+                                             process_set=self.process_set), mask)
 
     def _broadcast(self, tensor, root):
         self._maybe_stage(HorovodCommunicator._broadcast_impl, tensor, root)
@@ -84,8 +94,9 @@ class HorovodCommunicator(Communicator):
     def _broadcast_impl(self, tensor, root):
         if tensor.dtype == torch.bfloat16:   # Horovod has no bfloat16 tensors: the same bits as int16
             tensor = tensor.view(torch.int16)
-        self.hvd.broadcast_(tensor, root_rank=self.ranks[root], name=self._name("broadcast", tensor),
-                            process_set=self.process_set)
+        self._wait(self.hvd.broadcast_async_(tensor, root_rank=self.ranks[root],
+                                             name=self._name("broadcast", tensor), process_set=self.process_set),
+                   tensor)
 
     def _allgather_equal(self, tensor) -> List[torch.Tensor]:
         return self._allgather_unequal(tensor, [tuple(tensor.shape)] * self.size)
@@ -94,8 +105,8 @@ class HorovodCommunicator(Communicator):
         # Horovod's allgather takes unequal first dimensions itself
         flat = tensor.reshape(1) if tensor.dim() == 0 else tensor
         src = flat if flat.device.type == "cpu" or self.gpu_ops else flat.cpu()
-        out = self.hvd.allgather(src, name=self._name("allgather", src, shape=tuple(src.shape[1:])),
-                                  process_set=self.process_set)
+        out = self._wait(self.hvd.allgather_async(src, name=self._name("allgather", src, shape=tuple(src.shape[1:])),
+                                                  process_set=self.process_set), src)
         out = out.to(tensor.device)
         return [o.reshape(d) for o, d in zip(torch.split(out, [d[0] if d else 1 for d in dims]), dims)]
 
